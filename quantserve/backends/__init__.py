@@ -1,0 +1,33 @@
+"""Backends: each turns scheduled token batches into sampled tokens (llama.cpp today; torch next)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from quantserve.engine.sequence import SampledToken, Sequence
+
+
+class KVCacheFull(Exception):
+    """Raised by a runner when a batch found no KV room; the engine preempts a sequence and retries."""
+
+
+class ModelRunner(Protocol):
+    """What the engine needs from a backend. One runner owns one model and its KV cache."""
+
+    n_ctx: int  # longest sequence (prompt + output) the runner accepts
+    n_vocab: int
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
+        """Feed the first n uncomputed tokens of each planned sequence in one batch. For each planned sequence
+        whose tokens are then all computed, sample its next token; others get None."""
+        ...
+
+    def free(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
+        """Release the sequence's KV (and its sampler unless kept for a later recompute)."""
+        ...

@@ -1,0 +1,287 @@
+"""LlamaCppRunner: one llama.cpp model and one multi-sequence context; executes scheduled batches."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+
+from quantserve.backends import KVCacheFull
+from quantserve.backends.llamacpp.sampler import SamplerChain
+from quantserve.engine.sequence import SampledToken, Sequence, TokenLogprob
+from quantserve.errors import ConfigError, ModelFileError
+
+log = logging.getLogger("quantserve.llamacpp")
+
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    n_ctx: int = 0  # longest sequence; 0 = the model's training context, capped at 8192
+    n_kv_cells: int = 0  # KV capacity shared by all sequences; 0 = n_ctx
+    max_num_seqs: int = 8
+    n_batch: int = 512
+    n_threads: int = 0  # 0 = physical cores as llama.cpp counts them
+    n_gpu_layers: int = 0  # -1 = all (needs a Metal/CUDA build)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: bool | None = None  # None = llama.cpp's auto
+    use_mmap: bool = True
+
+
+# ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT. llama.cpp is chatty at INFO, so that becomes DEBUG here.
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+
+
+@lc.llama_log_callback
+def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    if text:
+        log.log(_LOG_LEVELS.get(level, logging.DEBUG), "%s", text.decode("utf-8", "replace").rstrip())
+
+
+_backend_ready = False
+
+
+def _init_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+class LlamaCppRunner:
+    """Owns the llama_model, the llama_context (n_seq_max = max_num_seqs, unified KV) and one llama_batch.
+
+    Not thread-safe: the engine thread is its only caller (embeddings use a context of their own)."""
+
+    def __init__(self, path: Path, settings: LlamaCppSettings, n_ctx_train: int | None = None):
+        _init_backend()
+        self.path = Path(path)
+        self.settings = settings
+        for name, value in (("cache_type_k", settings.cache_type_k), ("cache_type_v", settings.cache_type_v)):
+            if value not in KV_CACHE_TYPES:
+                raise ConfigError(f"{name} {value!r} is not one of {', '.join(KV_CACHE_TYPES)}", param=name)
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 0x7FFFFFFF
+        mparams.use_mmap = settings.use_mmap
+        self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise ModelFileError(
+                f"llama.cpp could not load {self.path}; the file passed validation, so its architecture or "
+                "hyper-parameters are probably not supported by this llama.cpp build (run with --log-level debug "
+                "to see llama.cpp's reason)"
+            )
+        self.vocab = lc.llama_model_get_vocab(self.model)
+        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
+        train = n_ctx_train or lc.llama_model_n_ctx_train(self.model)
+        self.n_ctx = settings.n_ctx or min(train, 8192)
+        n_cells = max(settings.n_kv_cells or self.n_ctx, self.n_ctx)
+        threads = settings.n_threads or max(1, (os.cpu_count() or 2))
+        cparams = lc.llama_context_default_params()
+        cparams.n_ctx = n_cells
+        cparams.n_batch = settings.n_batch
+        cparams.n_ubatch = settings.n_batch
+        cparams.n_seq_max = settings.max_num_seqs
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.kv_unified = True  # one pool of cells shared by all sequences; the scheduler accounts for it
+        cparams.type_k = KV_CACHE_TYPES[settings.cache_type_k]
+        cparams.type_v = KV_CACHE_TYPES[settings.cache_type_v]
+        cparams.no_perf = True
+        if settings.flash_attn is not None:
+            cparams.flash_attn_type = int(settings.flash_attn)
+        self.ctx = lc.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise ConfigError(
+                f"llama.cpp could not create a context with {n_cells} KV cells and {settings.max_num_seqs} "
+                "sequences; lower --ctx-size, --kv-size or --max-num-seqs"
+            )
+        self.n_kv_cells = lc.llama_n_ctx(self.ctx)
+        self.n_threads = threads
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.batch = lc.llama_batch_init(settings.n_batch, 0, 1)
+        self._pieces: list[bytes | None] = [None] * self.n_vocab
+        self._eog = {t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)}
+        self._samplers: dict[int, SamplerChain] = {}  # id(Sequence) -> chain
+        self._embed_ctx = None
+
+    # ---- vocabulary ---------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return buf[:n]
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces[token]
+        if piece is None:
+            piece = self._piece(token, special=False)
+            self._pieces[token] = piece
+        return piece
+
+    def special_text(self, token: int) -> str:
+        """A token's text including control tokens (for chat templates' bos_token/eos_token)."""
+        return self._piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+    def _piece(self, token: int, *, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    @property
+    def bos_token(self) -> int:
+        return lc.llama_vocab_bos(self.vocab)
+
+    @property
+    def eos_token(self) -> int:
+        return lc.llama_vocab_eos(self.vocab)
+
+    def adds_bos(self) -> bool:
+        return bool(lc.llama_vocab_get_add_bos(self.vocab))
+
+    # ---- execution ----------------------------------------------------------------------------
+
+    def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
+        b = self.batch
+        i = 0
+        out_idx: list[int] = []
+        for seq, n in plan:
+            start = seq.num_computed
+            toks = seq.tokens
+            sid = seq.seq_id
+            for j in range(n):
+                b.token[i] = toks[start + j]
+                b.pos[i] = start + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = sid
+                b.logits[i] = 0
+                i += 1
+            done = start + n == len(toks)
+            if done:
+                b.logits[i - 1] = 1
+            out_idx.append(i - 1 if done else -1)
+        b.n_tokens = i
+        rc = lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise KVCacheFull() if rc == 1 else RuntimeError(f"llama_decode failed with code {rc}")
+        results: list[SampledToken | None] = []
+        for (seq, n), idx in zip(plan, out_idx, strict=True):
+            seq.num_computed += n
+            if idx < 0:
+                results.append(None)
+                continue
+            chain = self._sampler(seq)
+            tok = chain.sample(self.ctx, idx)
+            lp = self._logprob(idx, tok, seq.params.top_logprobs) if seq.params.logprobs else None
+            results.append(SampledToken(tok, lp))
+        return results
+
+    def _sampler(self, seq: Sequence) -> SamplerChain:
+        chain = self._samplers.get(id(seq))
+        if chain is None:
+            chain = SamplerChain(self.vocab, self.n_vocab, seq.params)
+            self._samplers[id(seq)] = chain
+        return chain
+
+    def prepare(self, seq: Sequence) -> None:
+        """Build the sequence's sampler up front, so a bad grammar fails the request before it is queued."""
+        self._sampler(seq)
+
+    def _logprob(self, idx: int, token: int, top_n: int) -> TokenLogprob:
+        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        m = float(logits.max())
+        lse = m + float(np.log(np.exp(logits - m).sum()))
+        top: tuple[tuple[int, float], ...] = ()
+        if top_n > 0:
+            cand = np.argpartition(-logits, top_n - 1)[:top_n]
+            cand = cand[np.argsort(-logits[cand], kind="stable")]
+            top = tuple((int(t), float(logits[t]) - lse) for t in cand)
+        return TokenLogprob(token, float(logits[token]) - lse, top)
+
+    def free(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
+        if seq.seq_id >= 0:
+            lc.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+        if not keep_sampler:
+            chain = self._samplers.pop(id(seq), None)
+            if chain is not None:
+                chain.close()
+
+    def num_kv_used(self) -> int:
+        """Cells in use according to llama.cpp itself (for leak tests)."""
+        total = 0
+        for sid in range(self.settings.max_num_seqs):
+            hi = lc.llama_memory_seq_pos_max(self.memory, sid)
+            if hi >= 0:
+                total += hi - lc.llama_memory_seq_pos_min(self.memory, sid) + 1
+        return total
+
+    # ---- embeddings ---------------------------------------------------------------------------
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """Mean-pooled, L2-normalised embedding of one input, from a second context of its own."""
+        if self._embed_ctx is None:
+            cp = lc.llama_context_default_params()
+            cp.n_ctx = cp.n_batch = cp.n_ubatch = self.n_ctx
+            cp.n_seq_max = 1
+            cp.embeddings = True
+            cp.pooling_type = lc.LLAMA_POOLING_TYPE_MEAN
+            cp.n_threads = cp.n_threads_batch = self.n_threads
+            cp.no_perf = True
+            self._embed_ctx = lc.llama_init_from_model(self.model, cp)
+            if not self._embed_ctx:
+                raise ConfigError("llama.cpp could not create an embeddings context for this model")
+        ctx = self._embed_ctx
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+        batch = lc.llama_batch_init(len(tokens), 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, i, 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1
+            batch.n_tokens = len(tokens)
+            rc = lc.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} while embedding")
+            n_embd = lc.llama_model_n_embd(self.model)
+            vec = np.ctypeslib.as_array(lc.llama_get_embeddings_seq(ctx, 0), shape=(n_embd,)).astype(
+                np.float64
+            )
+        finally:
+            lc.llama_batch_free(batch)
+        norm = float(np.linalg.norm(vec)) or 1.0
+        return (vec / norm).tolist()
+
+    def close(self) -> None:
+        for chain in self._samplers.values():
+            chain.close()
+        self._samplers.clear()
+        if self._embed_ctx:
+            lc.llama_free(self._embed_ctx)
+            self._embed_ctx = None
+        if self.ctx:
+            lc.llama_batch_free(self.batch)
+            lc.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,1 @@
+"""Backend-agnostic serving engine: sequences, scheduler, detokenizer and the step loop."""

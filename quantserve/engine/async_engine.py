@@ -1,0 +1,172 @@
+"""AsyncEngine: runs LLMEngine.step() on a dedicated thread and streams outputs to asyncio tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from quantserve.engine.llm_engine import LLMEngine
+from quantserve.engine.sequence import Sequence, SequenceOutput
+from quantserve.errors import ServerOverloadedError
+
+log = logging.getLogger("quantserve.engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """The engine thread owns the model; asyncio code only submits, aborts and reads its queues.
+
+    Outputs of one step are handed over with one `call_soon_threadsafe` per event loop, so the per-token cost on
+    the asyncio side is one queue put per sequence.
+    """
+
+    def __init__(
+        self, engine: LLMEngine, *, max_queue_len: int, on_step: Callable[[int, int], None] | None = None
+    ):
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._num_waiting = 0
+        self._stopping = False
+        self._on_step = on_step  # (num_running, num_waiting) -> None, for metrics
+        self.kv_cells_used = 0  # llama.cpp's own count, refreshed by the engine thread whenever it goes idle
+        self._thread = threading.Thread(target=self._run, name="quantserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- asyncio side -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def generate(self, seq: Sequence) -> AsyncIterator[SequenceOutput]:
+        """Queue a sequence now (raising ServerOverloadedError at once if the queue is full) and return an async
+        iterator of its outputs. Leaving that iterator early (client gone) aborts the sequence."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._stopping:
+                raise ServerOverloadedError("the server is shutting down and accepts no new requests")
+            if self._num_waiting >= self.max_queue_len:
+                raise ServerOverloadedError(
+                    f"the request queue is full ({self.max_queue_len} waiting); retry shortly "
+                    "or start the server with a larger --max-queue-len"
+                )
+            self._num_waiting += 1
+            self._streams[seq.request_id] = stream
+        self._inbox.put(("add", seq))
+        return self._iterate(seq.request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[SequenceOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stopping = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            block = not eng.has_work()
+            if block:
+                self.kv_cells_used = eng.runner.num_kv_used()
+            try:
+                while True:
+                    cmd, arg = self._inbox.get(block=block, timeout=None)
+                    block = False
+                    if cmd == "stop":
+                        self._abort_all()
+                        return
+                    if cmd == "add":
+                        eng.add(arg)
+                    elif cmd == "abort":
+                        out = eng.abort(arg)
+                        if out is not None:
+                            self._deliver([out])
+                        else:
+                            self._drop(arg)
+            except queue.Empty:
+                pass
+            try:
+                outputs = eng.step()
+            except Exception as exc:  # a backend failure must not kill the thread or hang clients
+                log.exception("engine step failed; failing the running requests")
+                self._fail_all(exc)
+                continue
+            self._num_waiting = len(eng.scheduler.waiting)
+            if self._on_step is not None:
+                self._on_step(len(eng.scheduler.running), self._num_waiting)
+            if outputs:
+                self._deliver(outputs)
+
+    def _deliver(self, outputs: list) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for out in outputs:
+                rid = out.request_id if isinstance(out, SequenceOutput) else out[0]
+                stream = self._streams.get(rid)
+                if stream is None:
+                    continue
+                item = out if isinstance(out, SequenceOutput) else out[1]
+                if isinstance(item, BaseException) or item.finish_reason is not None:
+                    del self._streams[rid]
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed (server shut down)
+                loop.call_soon_threadsafe(_put_all, items)
+
+    def _drop(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _fail_all(self, exc: Exception) -> None:
+        eng = self.engine
+        failed = [(s.request_id, exc) for s in list(eng.scheduler.running) + list(eng.scheduler.waiting)]
+        for rid, _ in failed:
+            eng.abort(rid)
+        self._deliver(failed)
+
+    def _abort_all(self) -> None:
+        from quantserve.errors import ModelLoadingError
+
+        self._fail_all(ModelLoadingError("the server is shutting down"))
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)

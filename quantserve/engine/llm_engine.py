@@ -1,0 +1,91 @@
+"""LLMEngine: one synchronous step = schedule → execute on the backend → detokenize, stop, finish."""
+
+from __future__ import annotations
+
+import logging
+
+from quantserve.backends import KVCacheFull, ModelRunner
+from quantserve.engine.scheduler import Scheduler, SchedulerConfig
+from quantserve.engine.sequence import Sequence, SequenceOutput, SequenceStatus
+
+log = logging.getLogger("quantserve.engine")
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig):
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self._by_id: dict[str, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        self._by_id[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> SequenceOutput | None:
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.runner.free(seq)
+        return self._output(seq, "", [], None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[SequenceOutput]:
+        plan, preempted = self.scheduler.schedule()
+        for seq in preempted:
+            log.info("preempted %s (KV full); it will be recomputed", seq.request_id)
+            self.runner.free(seq, keep_sampler=True)
+        if not plan:
+            return []
+        try:
+            sampled = self.runner.execute(plan)
+        except KVCacheFull:
+            victim = self.scheduler.preempt_newest()
+            if victim is not None:
+                self.runner.free(victim, keep_sampler=True)
+            return []
+        outputs: list[SequenceOutput] = []
+        for (seq, _), result in zip(plan, sampled, strict=True):
+            if result is None:
+                continue
+            out = self._append(seq, result.token, result.logprob)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob) -> SequenceOutput | None:
+        p = seq.params
+        if self.runner.is_eog(token) and not p.ignore_eos:
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), [], None)
+        seq.tokens.append(token)
+        text, hit_stop = seq.detokenizer.add(self.runner.token_bytes(token))
+        lps = [logprob] if logprob is not None else None
+        if hit_stop:
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], lps)
+        if seq.num_output_tokens >= p.max_tokens or len(seq.tokens) >= seq.max_total_tokens:
+            return self._finish(
+                seq, SequenceStatus.FINISHED_LENGTH, text + seq.detokenizer.flush(), [token], lps
+            )
+        if not text and lps is None:
+            return None  # held back (partial UTF-8 or a possible stop string); nothing to send yet
+        return self._output(seq, text, [token], lps)
+
+    def _finish(self, seq, status, text, token_ids, lps) -> SequenceOutput:
+        self.scheduler.finish(seq, status)
+        self.runner.free(seq)
+        self._by_id.pop(seq.request_id, None)
+        return self._output(seq, text, token_ids, lps)
+
+    @staticmethod
+    def _output(seq: Sequence, text: str, token_ids: list[int], lps) -> SequenceOutput:
+        return SequenceOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=token_ids,
+            logprobs=lps,
+            finish_reason=seq.status.value if seq.status.finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )

@@ -1,0 +1,88 @@
+"""A Sequence: one stream of tokens being generated, with its status and KV bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) best first
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass
+class SequenceOutput:
+    """What one engine step produced for one sequence; `finish_reason` is set on its last output."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """`tokens` is prompt + output. The first `num_computed` tokens are in the KV cache; every token after them
+    is fed to the model by the next step that schedules this sequence (a prefill chunk, or one decode token)."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    max_total_tokens: int  # context limit for this sequence (prompt + output)
+    seq_id: int = -1  # KV slot; assigned on admission, -1 while waiting
+    status: SequenceStatus = SequenceStatus.WAITING
+    tokens: list[int] = field(init=False)
+    num_computed: int = 0
+    arrival: int = field(default_factory=lambda: next(_counter))
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_tokens)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - len(self.prompt_tokens)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[len(self.prompt_tokens) :]

