@@ -1,0 +1,69 @@
+"""HF model directories: read JSON configs and find the quantization config in the order vLLM and FORMATS.md use."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from quantserve.errors import ModelFileError
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ModelFileError(f"{path}: cannot parse JSON ({e}); fix or re-download the file") from None
+    if not isinstance(value, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def find_quant_config(
+    config: dict[str, Any] | None, directory: Path, st_metadata: Mapping[str, str]
+) -> tuple[dict[str, Any] | None, str]:
+    """The quantization config and where it was found, in the order of FORMATS.md §6.2 step 3."""
+    config = config or {}
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    cfg = directory / "config.json"
+    for where, qc in (
+        (f"{cfg} quantization_config", config.get("quantization_config")),
+        (f"{cfg} text_config.quantization_config", text_config.get("quantization_config")),
+        (f"{cfg} compression_config", config.get("compression_config")),
+    ):
+        if qc is not None:
+            if not isinstance(qc, dict):
+                raise ModelFileError(f"{where} is {type(qc).__name__}, expected an object")
+            return qc, where
+    for name in ("quantize_config.json", "quant_config.json"):
+        if (directory / name).is_file():
+            return read_json_object(directory / name), str(directory / name)
+    if "gptq_bits" in st_metadata:
+        # AutoGPTQ writes its settings as safetensors __metadata__ strings
+        def flag(key: str) -> bool:
+            return st_metadata.get(key, "false").lower() == "true"
+
+        qc = {
+            "quant_method": st_metadata.get("gptq_quant_method", "gptq"),
+            "bits": st_metadata["gptq_bits"],
+            "group_size": st_metadata.get("gptq_group_size", "-1"),
+            "desc_act": flag("gptq_desc_act"),
+            "checkpoint_format": st_metadata.get("gptq_checkpoint_format", "gptq"),
+        }
+        return qc, f"{directory} safetensors __metadata__ gptq_* keys"
+    return None, ""
+
+
+def quant_method_of(qc: dict[str, Any]) -> str:
+    method = qc.get("quant_method") or qc.get("method")
+    if method is None:
+        # old quantize_config.json (AutoGPTQ) and quant_config.json (AutoAWQ) carry no quant_method
+        if "w_bit" in qc:
+            return "awq"
+        if "config_groups" in qc:
+            return "compressed-tensors"
+        if "bits" in qc:
+            return "gptq"
+        return ""
+    return str(method).lower()

@@ -1,0 +1,210 @@
+"""summarize(path) and render_summary(): what `quantserve inspect` shows about a model, from headers only."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantserve.formats.detect import detect
+from quantserve.formats.gguf import read_gguf_info
+from quantserve.formats.hf_config import read_json_object
+from quantserve.formats.safetensors_header import DTYPE_BITS, read_safetensors_header
+from quantserve.formats.spec import ModelSpec
+
+
+@dataclass(frozen=True, eq=False)
+class ModelSummary:
+    path: Path
+    format: str
+    architecture: str | None
+    n_params: int  # logical weights: a packed int4 word counts as 8 parameters
+    n_tensors: int
+    quant_types: dict[str, str]  # tensor class ("attn_q", "q_proj", "token_embd") -> type(s) stored
+    bits_per_weight: float  # tensor bytes * 8 / n_params, scales and zeros included
+    file_size: int  # all weight files together
+    files: tuple[Path, ...]
+    context_length: int | None
+    has_chat_template: bool
+    backends: tuple[str, ...]  # "llamacpp", "torch", "llamacpp (after convert)"
+    backend_notes: tuple[str, ...]  # why each backend applies, same order
+    quant: dict[str, Any]  # spec.quant
+
+
+def _types_by_class(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """'Q4_K' or 'Q4_K×20, Q6_K×4' per class when layers differ (llama.cpp's _M mixes do)."""
+    counts: dict[str, dict[str, int]] = {}
+    for cls, typ in pairs:
+        counts.setdefault(cls, {}).setdefault(typ, 0)
+        counts[cls][typ] += 1
+    out = {}
+    for cls, by_type in counts.items():
+        ranked = sorted(by_type.items(), key=lambda kv: -kv[1])
+        out[cls] = ranked[0][0] if len(ranked) == 1 else ", ".join(f"{t}×{n}" for t, n in ranked)
+    return out
+
+
+def _gguf_class(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit():
+        parts = parts[2:]
+    return ".".join(parts[:-1] if parts[-1] == "weight" and len(parts) > 1 else parts)
+
+
+def _summarize_gguf(spec: ModelSpec) -> dict[str, Any]:
+    infos = [read_gguf_info(f) for f in spec.files]
+    tensors = [t for info in infos for t in info.tensors]
+    return {
+        "n_params": sum(t.n_elements for t in tensors),
+        "n_tensors": len(tensors),
+        "n_bytes": sum(t.n_bytes for t in tensors),
+        "quant_types": _types_by_class((_gguf_class(t.name), t.type_name) for t in tensors),
+        "context_length": infos[0].context_length,
+        "has_chat_template": infos[0].chat_template is not None,
+    }
+
+
+# Tensors that hold a quantized linear's packed weights, and those that only describe them.
+_PACKED = {"qweight", "B", "weight_packed"}
+_AUXILIARY = {
+    "qzeros",
+    "scales",
+    "g_idx",
+    "s",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_g_idx",
+    "weight_shape",
+}
+_FORMAT_LABEL = {"gptq": "GPTQ", "awq": "AWQ", "marlin": "Marlin", "compressed-tensors": "CT"}
+
+
+def _quant_label(spec: ModelSpec) -> str:
+    bits = spec.quant.get("bits", spec.quant.get("num_bits"))
+    group = spec.quant.get("group_size")
+    g = "per-channel" if group in (-1, None) else f"g{group}"
+    return f"{_FORMAT_LABEL.get(spec.format, spec.format)} int{bits} {g}"
+
+
+def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
+    headers = [read_safetensors_header(f) for f in spec.files]
+    tensors = [t for h in headers for t in h.tensors.values()]
+    bits = spec.quant.get("bits", spec.quant.get("num_bits"))
+    quantized = {t.name.rsplit(".", 1)[0] for t in tensors if t.name.rsplit(".", 1)[-1] in _PACKED}
+    n_params, classes = 0, []
+    for t in tensors:
+        prefix, _, last = t.name.rpartition(".")
+        cls = prefix.rsplit(".", 1)[-1] if prefix else t.name
+        if prefix in quantized and last in _PACKED and bits:
+            n_params += t.n_elements * DTYPE_BITS[t.dtype] // bits  # each word packs dtype_bits/bits weights
+            classes.append((cls, _quant_label(spec)))
+        elif prefix in quantized and last in _AUXILIARY:
+            continue
+        else:
+            n_params += t.n_elements
+            if last == "weight":
+                classes.append((cls, t.dtype))
+    config = spec.config or {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    ctx = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = config.get(key, text.get(key))
+        if isinstance(value, int) and not isinstance(value, bool):
+            ctx = value
+            break
+    return {
+        "n_params": n_params,
+        "n_tensors": len(tensors),
+        "n_bytes": sum(t.n_bytes for t in tensors),
+        "quant_types": _types_by_class(classes),
+        "context_length": ctx,
+        "has_chat_template": _hf_has_chat_template(spec.directory),
+    }
+
+
+def _hf_has_chat_template(directory: Path) -> bool:
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    tok = directory / "tokenizer_config.json"
+    return bool(tok.is_file() and read_json_object(tok).get("chat_template"))
+
+
+def _torch(why: str) -> Callable[[ModelSpec], list[tuple[str, str]]]:
+    return lambda spec: [("torch", why.format(**spec.quant))]
+
+
+# Which backends can serve each format, and why; one entry per format (register, don't elif).
+BACKENDS: dict[str, Callable[[ModelSpec], list[tuple[str, str]]]] = {
+    "gguf": lambda spec: [("llamacpp", f"GGUF is llama.cpp's native format ({spec.quant['file_type']})")],
+    "safetensors": lambda spec: [
+        ("torch", f"dense {spec.quant['dtype']} weights"),
+        ("llamacpp (after convert)", "convert to GGUF (optionally quantizing) first"),
+    ],
+    "gptq": _torch("GPTQ {bits}-bit linear layers (group_size {group_size}, {checkpoint_format} zeros)"),
+    "awq": _torch("AWQ {bits}-bit {version} linear layers (group_size {group_size})"),
+    "marlin": _torch("Marlin-packed {bits}-bit linear layers (group_size {group_size})"),
+    "compressed-tensors": _torch("{format} {num_bits}-bit linear layers ({strategy} strategy)"),
+}
+
+
+def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
+    """Summarize a model (path or an already detected spec) from its headers; tensor data is never read.
+
+    Raises: whatever detect() raises for the path.
+    """
+    spec = path if isinstance(path, ModelSpec) else detect(path)
+    facts = _summarize_gguf(spec) if spec.format == "gguf" else _summarize_hf(spec)
+    backends = BACKENDS[spec.format](spec)
+    n_params = facts["n_params"]
+    return ModelSummary(
+        path=spec.path,
+        format=spec.format,
+        architecture=spec.architecture,
+        n_params=n_params,
+        n_tensors=facts["n_tensors"],
+        quant_types=facts["quant_types"],
+        bits_per_weight=facts["n_bytes"] * 8 / n_params if n_params else 0.0,
+        file_size=sum(f.stat().st_size for f in spec.files),
+        files=spec.files,
+        context_length=facts["context_length"],
+        has_chat_template=facts["has_chat_template"],
+        backends=tuple(name for name, _ in backends),
+        backend_notes=tuple(note for _, note in backends),
+        quant=dict(spec.quant),
+    )
+
+
+def _count(n: float, units: tuple[str, ...], step: int) -> str:
+    for unit in units:
+        if abs(n) < step or unit == units[-1]:
+            return f"{n:.1f}{unit}" if unit != units[0] else f"{int(n)}{unit}"
+        n /= step
+    raise AssertionError("unreachable")
+
+
+def render_summary(s: ModelSummary) -> str:
+    """An aligned 'key: value' table; multi-valued keys continue on indented lines."""
+    rows: list[tuple[str, list[str]]] = [
+        ("path", [str(s.path)]),
+        ("format", [s.format]),
+        ("architecture", [s.architecture or "unknown"]),
+        ("parameters", [f"{_count(s.n_params, ('', 'K', 'M', 'B', 'T'), 1000)} ({s.n_params:,})"]),
+        (
+            "file size",
+            [f"{_count(s.file_size, (' B', ' KB', ' MB', ' GB', ' TB'), 1000)} in {len(s.files)} file(s)"],
+        ),
+        ("bits per weight", [f"{s.bits_per_weight:.2f}"]),
+        ("context length", [str(s.context_length) if s.context_length else "unknown"]),
+        ("chat template", ["yes" if s.has_chat_template else "no"]),
+        ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
+        ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
+        ("backends", [f"{b} — {note}" for b, note in zip(s.backends, s.backend_notes, strict=True)]),
+    ]
+    width = max(len(k) for k, _ in rows) + 2
+    lines = []
+    for key, values in rows:
+        lines.append(f"{key + ':':<{width}}{values[0]}")
+        lines.extend(" " * width + v for v in values[1:])
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""The app in-process: readiness while loading, chat template override, a model without a template."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from quantserve.llm import LLM, EngineSettings
+from quantserve.registry import ModelEntry, ResolvedModel
+from quantserve.server.app import create_app
+from quantserve.server.settings import ServerSettings
+from tests.conftest import PARIS
+
+
+@pytest.fixture()
+def resolved(smollm2_gguf) -> ResolvedModel:
+    return ResolvedModel("smollm2", smollm2_gguf, ModelEntry(source=str(smollm2_gguf)))
+
+
+def test_ready_and_api_answer_503_until_the_model_is_loaded(monkeypatch):
+    gate = threading.Event()
+    real_load = LLM.load
+
+    def slow_load(*args, **kwargs):
+        gate.wait(30)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(LLM, "load", staticmethod(slow_load))
+    app = create_app(ServerSettings(model="smollm2", threads=2))
+    with TestClient(app) as client:
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        r = client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert client.get("/health").status_code == 200  # alive while loading
+        gate.set()
+        for _ in range(300):
+            if client.get("/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert client.get("/ready").json()["status"] == "ready"
+        assert (
+            client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 2}).status_code == 200
+        )
+
+
+def test_chat_template_override_is_used(resolved, tmp_path):
+    tmpl = tmp_path / "qa.jinja"
+    tmpl.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
+    llm = LLM.load(resolved, EngineSettings(threads=2, chat_template=str(tmpl)))
+    with TestClient(create_app(ServerSettings(), llm=llm)) as client:
+        r = client.post("/v1/chat/completions", json={"messages": PARIS[1:], "max_tokens": 2})
+        expected = llm.tokenize_prompt("Q: What is the capital of France?\nA:", chat=True)
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_model_without_chat_template_gets_a_clear_400_for_chat_only(resolved):
+    llm = LLM.load(resolved, EngineSettings(threads=2))
+    llm.chat_template = None
+    with TestClient(create_app(ServerSettings(), llm=llm)) as client:
+        r = client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 2})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "chat_template_error"
+        assert "--chat-template" in err["message"]
+        r = client.post("/v1/completions", json={"prompt": "Paris is", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def test_bad_grammar_schema_is_400_not_an_engine_failure(resolved):
+    llm = LLM.load(resolved, EngineSettings(threads=2))
+    with TestClient(create_app(ServerSettings(), llm=llm)) as client:
+        body = {
+            "messages": PARIS,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "no-such-type"}}},
+        }
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+        assert (
+            client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 2}).status_code == 200
+        )
