@@ -35,6 +35,7 @@ class EngineSettings:
     backend: str = "auto"
     ctx_size: int = 0
     kv_size: int = 0
+    kv_unified: bool = False
     max_num_seqs: int = 8
     max_queue_len: int = 64
     n_batch: int = 512
@@ -105,6 +106,7 @@ class LLM:
             gguf_path,
             LlamaCppSettings(
                 n_ctx=settings.ctx_size or model.entry.ctx_size,
+                kv_unified=settings.kv_unified,
                 n_kv_cells=settings.kv_size,
                 max_num_seqs=settings.max_num_seqs,
                 n_batch=settings.n_batch,

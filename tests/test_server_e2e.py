@@ -15,7 +15,7 @@ from tests.conftest import PARIS
 def test_models_lists_the_model_with_its_context_length(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["smollm2"]
-    assert models[0].model_extra["context_length"] == 8192
+    assert models[0].model_extra["context_length"] == 4096  # models.toml's ctx_size
 
 
 def test_chat_greedy_answers_paris_with_usage(client):
@@ -193,7 +193,7 @@ def test_prompt_over_context_is_400_context_length_exceeded(server):
     body = {"messages": [{"role": "user", "content": "hello " * 9000}], "max_tokens": 4}
     err = _error(httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60), 400)
     assert err["code"] == "context_length_exceeded"
-    assert "8192" in err["message"]
+    assert "4096" in err["message"]
 
 
 def test_prompt_plus_max_tokens_over_context_is_400(server):

@@ -27,7 +27,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         self.runner.free(seq)
-        return self._output(seq, "", [], None)
+        return self._output(seq, "", None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -58,28 +58,30 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob) -> SequenceOutput | None:
         p = seq.params
         if self.runner.is_eog(token) and not p.ignore_eos:
-            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), [], None)
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), None)
         seq.tokens.append(token)
+        seq.pending_tokens.append(token)
         text, hit_stop = seq.detokenizer.add(self.runner.token_bytes(token))
         lps = [logprob] if logprob is not None else None
         if hit_stop:
-            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, [token], lps)
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, lps)
         if seq.num_output_tokens >= p.max_tokens or len(seq.tokens) >= seq.max_total_tokens:
-            return self._finish(
-                seq, SequenceStatus.FINISHED_LENGTH, text + seq.detokenizer.flush(), [token], lps
-            )
+            return self._finish(seq, SequenceStatus.FINISHED_LENGTH, text + seq.detokenizer.flush(), lps)
         if not text and lps is None:
-            return None  # held back (partial UTF-8 or a possible stop string); nothing to send yet
-        return self._output(seq, text, [token], lps)
+            return (
+                None  # held back (partial UTF-8 or a possible stop string); its token goes out with the next
+            )
+        return self._output(seq, text, lps)
 
-    def _finish(self, seq, status, text, token_ids, lps) -> SequenceOutput:
+    def _finish(self, seq, status, text, lps) -> SequenceOutput:
         self.scheduler.finish(seq, status)
         self.runner.free(seq)
         self._by_id.pop(seq.request_id, None)
-        return self._output(seq, text, token_ids, lps)
+        return self._output(seq, text, lps)
 
     @staticmethod
-    def _output(seq: Sequence, text: str, token_ids: list[int], lps) -> SequenceOutput:
+    def _output(seq: Sequence, text: str, lps) -> SequenceOutput:
+        token_ids, seq.pending_tokens = seq.pending_tokens, []
         return SequenceOutput(
             request_id=seq.request_id,
             text=text,

@@ -66,7 +66,7 @@ class Sequence:
     tokens: list[int] = field(init=False)
     num_computed: int = 0
     arrival: int = field(default_factory=lambda: next(_counter))
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    pending_tokens: list[int] = field(default_factory=list)  # sampled but not yet sent (text held back)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_tokens)

@@ -22,7 +22,14 @@ class ServerSettings(BaseModel):
     ctx_size: int = Field(
         default=0, ge=0, description="longest sequence, prompt + output (0: the model's, ≤ 8192)"
     )
-    kv_size: int = Field(default=0, ge=0, description="KV cache cells shared by all sequences (0: ctx-size)")
+    kv_unified: bool = Field(
+        default=False,
+        description="share one KV pool (--kv-size cells) among sequences: less memory, but batched outputs may "
+        "drift from unbatched ones; default: ctx-size cells per sequence",
+    )
+    kv_size: int = Field(
+        default=0, ge=0, description="cells in the shared pool with --kv-unified (0: ctx-size)"
+    )
     max_num_seqs: int = Field(default=8, ge=1, le=256, description="sequences generated together")
     max_queue_len: int = Field(
         default=64, ge=1, description="waiting requests beyond which the server answers 503"
@@ -56,6 +63,7 @@ class ServerSettings(BaseModel):
             backend=self.backend,
             ctx_size=self.ctx_size or resolved.entry.ctx_size,
             kv_size=self.kv_size,
+            kv_unified=self.kv_unified,
             max_num_seqs=self.max_num_seqs,
             max_queue_len=self.max_queue_len,
             n_batch=self.n_batch,

@@ -24,14 +24,15 @@ KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7
 @dataclass(frozen=True)
 class LlamaCppSettings:
     n_ctx: int = 0  # longest sequence; 0 = the model's training context, capped at 8192
-    n_kv_cells: int = 0  # KV capacity shared by all sequences; 0 = n_ctx
+    kv_unified: bool = False  # one KV pool shared by all sequences, instead of n_ctx cells each
+    n_kv_cells: int = 0  # size of the unified pool; 0 = n_ctx
     max_num_seqs: int = 8
     n_batch: int = 512
     n_threads: int = 0  # 0 = physical cores as llama.cpp counts them
     n_gpu_layers: int = 0  # -1 = all (needs a Metal/CUDA build)
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
-    flash_attn: bool | None = None  # None = llama.cpp's auto
+    flash_attn: bool | None = None  # None: off on CPU, llama.cpp's auto when layers are offloaded
     use_mmap: bool = True
 
 
@@ -82,7 +83,13 @@ class LlamaCppRunner:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         train = n_ctx_train or lc.llama_model_n_ctx_train(self.model)
         self.n_ctx = settings.n_ctx or min(train, 8192)
-        n_cells = max(settings.n_kv_cells or self.n_ctx, self.n_ctx)
+        # Per-sequence KV (llama.cpp "streams") keeps every sequence's cells contiguous and its own, so a greedy
+        # request gives the same tokens alone or batched (measured: identical; with the unified pool, summation
+        # order over interleaved cells makes tokens drift after a few dozen). It costs n_ctx cells per sequence.
+        if settings.kv_unified:
+            n_cells = max(settings.n_kv_cells or self.n_ctx, self.n_ctx)
+        else:
+            n_cells = self.n_ctx * settings.max_num_seqs
         threads = settings.n_threads or max(1, (os.cpu_count() or 2))
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_cells
@@ -91,12 +98,16 @@ class LlamaCppRunner:
         cparams.n_seq_max = settings.max_num_seqs
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = True  # one pool of cells shared by all sequences; the scheduler accounts for it
+        cparams.kv_unified = settings.kv_unified
         cparams.type_k = KV_CACHE_TYPES[settings.cache_type_k]
         cparams.type_v = KV_CACHE_TYPES[settings.cache_type_v]
         cparams.no_perf = True
-        if settings.flash_attn is not None:
-            cparams.flash_attn_type = int(settings.flash_attn)
+        # llama.cpp's CPU flash attention makes logits depend on the batch (measured: up to 0.77 apart for the same
+        # prompt alone or batched, flipping greedy tokens), so it stays off unless asked for or offloading.
+        flash = (
+            settings.flash_attn if settings.flash_attn is not None else (settings.n_gpu_layers != 0 or None)
+        )
+        cparams.flash_attn_type = -1 if flash is None else int(flash)
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -105,6 +116,16 @@ class LlamaCppRunner:
                 "sequences; lower --ctx-size, --kv-size or --max-num-seqs"
             )
         self.n_kv_cells = lc.llama_n_ctx(self.ctx)
+        self.kv_unified = settings.kv_unified
+        log.info(
+            "KV cache: %d cells (%s), %s, flash attention %s",
+            self.n_kv_cells,
+            "one pool shared by all sequences"
+            if settings.kv_unified
+            else f"{settings.max_num_seqs} sequences x {self.n_ctx}",
+            f"K {settings.cache_type_k} / V {settings.cache_type_v}",
+            {None: "auto", True: "on", False: "off"}[flash],
+        )
         self.n_threads = threads
         self.memory = lc.llama_get_memory(self.ctx)
         self.batch = lc.llama_batch_init(settings.n_batch, 0, 1)
