@@ -6,6 +6,7 @@ import logging
 import sys
 import types
 import typing
+from pathlib import Path
 
 import click
 
@@ -103,12 +104,18 @@ def models(models_file: str | None) -> None:
 
 
 @main.command()
-@click.argument("path")
-def inspect(path: str) -> None:
-    """Describe a model file or directory: format, architecture, size, quantization, backends."""
+@click.argument("model")
+@click.option("--models-file", default=None, help="models.toml to read (default: ./models.toml)")
+def inspect(model: str, models_file: str | None) -> None:
+    """Describe MODEL (a path, or a models.toml name): format, architecture, parameters, quantization per
+    tensor class, bits per weight, size, context length, chat template, and which backends can serve it."""
     from quantserve.formats import render_summary, summarize
+    from quantserve.registry import find_models_toml, load_registry, resolve
 
     try:
+        path = Path(model)
+        if not path.exists():
+            path = resolve(model, load_registry(find_models_toml(models_file))).path
         click.echo(render_summary(summarize(path)))
     except QuantserveError as exc:
         _fail(exc)

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.conftest import PARIS, ROOT, start_server
+from tests.conftest import PARIS, start_server
 
 LONG = {
     "messages": [{"role": "user", "content": "Tell me a very long story."}],
@@ -150,50 +148,3 @@ def test_sigterm_cancels_after_graceful_timeout(tmp_path):
                 pass
     assert srv.proc.wait(60) == 0
     assert time.monotonic() - t0 < 30
-
-
-def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "quantserve.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-
-
-def test_run_unknown_model_lists_known_names():
-    r = _cli("run", "no-such-model", "--port", "1")
-    assert r.returncode == 2
-    assert "unknown model 'no-such-model'" in r.stderr and "smollm2" in r.stderr
-
-
-def test_run_truncated_gguf_exits_2_with_a_clear_error(smollm2_gguf, tmp_path):
-    bad = tmp_path / "cut.gguf"
-    with smollm2_gguf.open("rb") as f:
-        bad.write_bytes(f.read(5_000_000))
-    r = _cli("run", str(bad), "--port", "1")
-    assert r.returncode == 2, r.stderr
-    assert "truncated" in r.stderr
-
-
-def test_models_command_lists_entries():
-    r = _cli("models")
-    assert r.returncode == 0
-    assert "smollm2" in r.stdout and "(default)" in r.stdout
-
-
-def test_run_help_documents_options():
-    r = _cli("run", "--help")
-    assert r.returncode == 0
-    for opt in (
-        "--ctx-size",
-        "--threads",
-        "--n-gpu-layers",
-        "--api-key",
-        "--max-num-seqs",
-        "--cache-type-k",
-        "--seed",
-        "--chat-template",
-    ):
-        assert opt in r.stdout

@@ -1,0 +1,78 @@
+"""The quantserve command line: run's startup errors, models, inspect, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "quantserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_run_unknown_model_lists_known_names():
+    r = _cli("run", "no-such-model", "--port", "1")
+    assert r.returncode == 2
+    assert "unknown model 'no-such-model'" in r.stderr and "smollm2" in r.stderr
+
+
+def test_run_truncated_gguf_exits_2_with_a_clear_error(smollm2_gguf, tmp_path):
+    bad = tmp_path / "cut.gguf"
+    with smollm2_gguf.open("rb") as f:
+        bad.write_bytes(f.read(5_000_000))
+    r = _cli("run", str(bad), "--port", "1")
+    assert r.returncode == 2, r.stderr
+    assert "truncated" in r.stderr
+
+
+def test_models_command_lists_entries():
+    r = _cli("models")
+    assert r.returncode == 0
+    assert "smollm2" in r.stdout and "(default)" in r.stdout
+
+
+def test_run_help_documents_options():
+    r = _cli("run", "--help")
+    assert r.returncode == 0
+    for opt in (
+        "--ctx-size",
+        "--threads",
+        "--n-gpu-layers",
+        "--api-key",
+        "--max-num-seqs",
+        "--cache-type-k",
+        "--seed",
+        "--chat-template",
+    ):
+        assert opt in r.stdout
+
+
+def test_inspect_by_name_and_by_path(smollm2_gguf):
+    for arg in ("smollm2", str(smollm2_gguf)):
+        r = _cli("inspect", arg)
+        assert r.returncode == 0, r.stderr
+        for text in (
+            "format:          gguf",
+            "architecture:    llama",
+            "134,515,008",
+            "Q4_1",
+            "8192",
+            "llamacpp",
+        ):
+            assert text in r.stdout
+
+
+def test_inspect_refuses_a_pickle_with_exit_2(tmp_path):
+    bad = tmp_path / "pytorch_model.bin"
+    bad.write_bytes(b"PK\x03\x04" + b"\x00" * 100)
+    r = _cli("inspect", str(bad))
+    assert r.returncode == 2
+    assert "pickle" in r.stderr.lower() and "safetensors" in r.stderr
