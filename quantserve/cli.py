@@ -37,15 +37,18 @@ def _settings_options(func):
         ann = field.annotation
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         base = args[0] if isinstance(ann, types.UnionType) and len(args) == 1 else ann
+        opt = "--" + name.replace("_", "-")
+        if base is bool:
+            flag = opt if name.startswith("no_") else f"{opt}/--no-{opt[2:]}"
+            func = click.option(flag, name, is_flag=True, default=None, help=field.description)(func)
+            continue
         if typing.get_origin(base) is typing.Literal:
             ptype = click.Choice(typing.get_args(base))
         else:
             ptype = {int: int, float: float, str: str}.get(base, str)
-        opt = "--" + name.replace("_", "-")
         default_txt = f" [default: {field.default}]" if field.default not in (None, "") else ""
-        func = click.option(opt, name, type=ptype, default=None, help=f"{field.description}{default_txt}")(
-            func
-        )
+        help_text = f"{field.description}{default_txt}"
+        func = click.option(opt, name, type=ptype, default=None, help=help_text)(func)
     return func
 
 
@@ -119,6 +122,48 @@ def inspect(model: str, models_file: str | None) -> None:
         click.echo(render_summary(summarize(path)))
     except QuantserveError as exc:
         _fail(exc)
+
+
+@main.group()
+def cache() -> None:
+    """The in-situ quantization cache (models converted by `run --quant`)."""
+
+
+@cache.command("ls")
+@click.option(
+    "--cache-dir", default=None, help="cache directory (default: $QUANTSERVE_CACHE or ~/.cache/quantserve)"
+)
+def cache_ls(cache_dir: str | None) -> None:
+    """List cached conversions with their sizes."""
+    from quantserve.quant_cache import QuantCache
+
+    qc = QuantCache(Path(cache_dir) if cache_dir else None)
+    entries = qc.entries()
+    click.echo(f"# {qc.root}")
+    for e in entries:
+        click.echo(f"{e.key}  {e.size / 1e6:9.1f} MB  {e.quant:<8} {e.source}")
+    click.echo(f"{len(entries)} entries, {sum(e.size for e in entries) / 1e6:.1f} MB")
+
+
+@cache.command("rm")
+@click.argument("keys", nargs=-1)
+@click.option("--all", "remove_all", is_flag=True, help="remove every entry")
+@click.option(
+    "--cache-dir", default=None, help="cache directory (default: $QUANTSERVE_CACHE or ~/.cache/quantserve)"
+)
+def cache_rm(keys: tuple[str, ...], remove_all: bool, cache_dir: str | None) -> None:
+    """Remove cached conversions by KEY (see `cache ls`), or --all."""
+    from quantserve.quant_cache import QuantCache
+
+    qc = QuantCache(Path(cache_dir) if cache_dir else None)
+    targets = [e.key for e in qc.entries()] if remove_all else list(keys)
+    if not targets:
+        raise click.UsageError("name the keys to remove (see `quantserve cache ls`), or pass --all")
+    for key in targets:
+        if not qc.remove(key):
+            click.echo(f"error: no cache entry {key!r}", err=True)
+            sys.exit(EXIT_USER_ERROR)
+        click.echo(f"removed {key}")
 
 
 if __name__ == "__main__":

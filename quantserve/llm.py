@@ -19,6 +19,7 @@ from quantserve.engine.sequence import Sequence, SequenceOutput
 from quantserve.errors import (
     BackendUnavailableError,
     ChatTemplateError,
+    ConfigError,
     ContextLengthExceededError,
     EmbeddingsUnsupportedError,
     InvalidRequestError,
@@ -46,6 +47,11 @@ class EngineSettings:
     flash_attn: str = "auto"
     seed: int | None = None
     chat_template: str | None = None  # a file overriding the model's template
+    quant: str | None = None  # quantize a dense checkpoint at load (e.g. q4_k_m)
+    use_cache: bool = (
+        True  # keep in-situ conversions in the cache (--no-cache: convert to a temp dir each start)
+    )
+    cache_dir: str | None = None
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,15 +86,36 @@ class LLM:
 
         spec = detect(model.path)
         backend = settings.backend if settings.backend != "auto" else model.entry.backend
-        if spec.format != "gguf":
-            raise BackendUnavailableError(
-                f"{model.path} is a {spec.format} checkpoint; serving it needs the torch backend or a conversion "
-                "to GGUF, neither of which this build has yet. Serve a GGUF file instead "
-                "(see `quantserve inspect` for what was detected)"
-            )
+        quant = settings.quant or model.entry.quant or None
         if backend not in ("auto", "llamacpp"):
             raise BackendUnavailableError(
-                f"backend {backend!r} cannot serve GGUF files; use --backend llamacpp"
+                f"backend {backend!r} is not available in this build; use --backend llamacpp (or auto)"
+            )
+        keep_alive = None
+        if spec.format == "safetensors":
+            from quantserve.insitu import ensure_gguf
+
+            log.info(
+                "backend llamacpp: %s is a dense %s checkpoint; llama.cpp serves it after conversion to GGUF (%s)",
+                model.path,
+                spec.quant.get("dtype", "?"),
+                quant or "same precision",
+            )
+            gguf_file, keep_alive = ensure_gguf(
+                spec, quant, cache_dir=settings.cache_dir, use_cache=settings.use_cache
+            )
+            spec = detect(gguf_file)
+        elif spec.format != "gguf":
+            raise BackendUnavailableError(
+                f"{model.path} is a {spec.format} checkpoint; serving it needs the torch backend, which this build "
+                "does not have yet. Serve a GGUF or a dense fp16/bf16 checkpoint instead "
+                "(`quantserve inspect` shows what was detected)"
+            )
+        elif quant and quant.lower() != str(spec.quant.get("file_type", "")).lower():
+            raise ConfigError(
+                f"{model.path} is already a {spec.quant.get('file_type')} GGUF; --quant {quant} applies to dense "
+                "checkpoints. Requantize offline with `quantserve convert`, or drop --quant",
+                param="quant",
             )
         from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
 
@@ -128,7 +155,9 @@ class LLM:
             template = None
         defaults = {**model.entry.sampling, **settings.sampling_defaults}
         merged = EngineSettings(**{**settings.__dict__, "sampling_defaults": defaults})
-        return cls(model.name, runner, merged, template, info)
+        llm = cls(model.name, runner, merged, template, info)
+        llm._keep_alive = keep_alive  # a temporary conversion lives as long as the model
+        return llm
 
     # ---- prompts ------------------------------------------------------------------------------
 
@@ -217,3 +246,5 @@ class LLM:
     def close(self) -> None:
         self.engine.stop()
         self.runner.close()
+        if getattr(self, "_keep_alive", None) is not None:
+            self._keep_alive.cleanup()

@@ -76,3 +76,9 @@ def test_inspect_refuses_a_pickle_with_exit_2(tmp_path):
     r = _cli("inspect", str(bad))
     assert r.returncode == 2
     assert "pickle" in r.stderr.lower() and "safetensors" in r.stderr
+
+
+def test_boolean_settings_are_flags():
+    r = _cli("run", "--help")
+    assert "--kv-unified / --no-kv-unified" in r.stdout
+    assert "--no-cache " in r.stdout and "--no-no-cache" not in r.stdout

@@ -19,6 +19,13 @@ class ServerSettings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on /v1 routes")
     backend: Literal["auto", "llamacpp", "torch"] = Field(default="auto", description="inference backend")
+    quant: str | None = Field(
+        default=None, description="quantize a dense fp16/bf16 checkpoint at load (q4_k_m, q8_0, …), cached"
+    )
+    no_cache: bool = Field(
+        default=False, description="convert in-situ into a temporary directory, not the cache"
+    )
+    cache_dir: str | None = Field(default=None, description="in-situ cache (default: ~/.cache/quantserve)")
     ctx_size: int = Field(
         default=0, ge=0, description="longest sequence, prompt + output (0: the model's, ≤ 8192)"
     )
@@ -74,5 +81,8 @@ class ServerSettings(BaseModel):
             flash_attn=self.flash_attn,
             seed=self.seed,
             chat_template=self.chat_template,
+            quant=self.quant or resolved.entry.quant or None,
+            use_cache=not self.no_cache,
+            cache_dir=self.cache_dir,
         )
         return resolved, engine
