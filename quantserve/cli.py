@@ -166,5 +166,15 @@ def cache_rm(keys: tuple[str, ...], remove_all: bool, cache_dir: str | None) -> 
         click.echo(f"removed {key}")
 
 
+def _register_subcommands() -> None:
+    from quantserve.bench_cmd import bench
+    from quantserve.eval_cmd import eval_group
+
+    main.add_command(bench)
+    main.add_command(eval_group)
+
+
+_register_subcommands()
+
 if __name__ == "__main__":
     main()
