@@ -5,17 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from quantserve.chat_template import ChatTemplate
-from quantserve.engine.async_engine import AsyncEngine
+from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.llm_engine import LLMEngine
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.scheduler import SchedulerConfig
-from quantserve.engine.sequence import Sequence, SequenceOutput
+from quantserve.engine.sequence import Sequence
 from quantserve.errors import (
     BackendUnavailableError,
     ChatTemplateError,
@@ -212,7 +211,7 @@ class LLM:
 
     def generate(
         self, prompt_tokens: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[SequenceOutput]:
+    ) -> RequestStream:
         seq = Sequence(
             request_id=request_id or uuid.uuid4().hex,
             prompt_tokens=prompt_tokens,

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from quantserve.engine.llm_engine import LLMEngine
@@ -30,17 +29,15 @@ class AsyncEngine:
     the asyncio side is one queue put per sequence.
     """
 
-    def __init__(
-        self, engine: LLMEngine, *, max_queue_len: int, on_step: Callable[[int, int], None] | None = None
-    ):
+    def __init__(self, engine: LLMEngine, *, max_queue_len: int):
         self.engine = engine
         self.max_queue_len = max_queue_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
-        self._num_waiting = 0
+        self._num_waiting = 0  # the scheduler's waiting queue, as the engine thread last saw it
+        self._num_inbox_adds = 0  # submitted, not yet taken by the engine thread (guarded by _lock)
         self._stopping = False
-        self._on_step = on_step  # (num_running, num_waiting) -> None, for metrics
         self.kv_cells_used = 0  # llama.cpp's own count, refreshed by the engine thread whenever it goes idle
         self._thread = threading.Thread(target=self._run, name="quantserve-engine", daemon=True)
         self._thread.start()
@@ -49,44 +46,28 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self._num_waiting + self._num_inbox_adds
 
     @property
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    def generate(self, seq: Sequence) -> AsyncIterator[SequenceOutput]:
-        """Queue a sequence now (raising ServerOverloadedError at once if the queue is full) and return an async
-        iterator of its outputs. Leaving that iterator early (client gone) aborts the sequence."""
+    def generate(self, seq: Sequence) -> RequestStream:
+        """Queue a sequence now (raising ServerOverloadedError at once if the queue is full) and return the stream
+        of its outputs. Closing the stream early, or cancelling a task waiting on it, aborts the sequence."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._stopping:
                 raise ServerOverloadedError("the server is shutting down and accepts no new requests")
-            if self._num_waiting >= self.max_queue_len:
+            if self._num_waiting + self._num_inbox_adds >= self.max_queue_len:
                 raise ServerOverloadedError(
                     f"the request queue is full ({self.max_queue_len} waiting); retry shortly "
                     "or start the server with a larger --max-queue-len"
                 )
-            self._num_waiting += 1
+            self._num_inbox_adds += 1
             self._streams[seq.request_id] = stream
         self._inbox.put(("add", seq))
-        return self._iterate(seq.request_id, stream)
-
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[SequenceOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return RequestStream(self, seq.request_id, stream.queue)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -114,6 +95,9 @@ class AsyncEngine:
                         return
                     if cmd == "add":
                         eng.add(arg)
+                        with self._lock:
+                            self._num_inbox_adds -= 1
+                            self._num_waiting = len(eng.scheduler.waiting)
                     elif cmd == "abort":
                         out = eng.abort(arg)
                         if out is not None:
@@ -129,8 +113,6 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._num_waiting = len(eng.scheduler.waiting)
-            if self._on_step is not None:
-                self._on_step(len(eng.scheduler.running), self._num_waiting)
             if outputs:
                 self._deliver(outputs)
 
@@ -165,6 +147,43 @@ class AsyncEngine:
         from quantserve.errors import ModelLoadingError
 
         self._fail_all(ModelLoadingError("the server is shutting down"))
+
+
+class RequestStream:
+    """The outputs of one sequence. Unlike an async generator, `aclose()` aborts the sequence even when the stream
+    was never iterated (an async generator's `finally` would not run then, and the sequence would run on)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self._engine, self.request_id, self._queue = engine, request_id, queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> SequenceOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the client went away
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finish_reason is not None
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        self.close()  # last resort; abort() only enqueues a command, safe from any thread
 
 
 def _put_all(items: list) -> None:

@@ -39,6 +39,8 @@ class LLMEngine:
             self.runner.free(seq, keep_sampler=True)
         if not plan:
             return []
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step: %d sequences, %d tokens", len(plan), sum(n for _, n in plan))
         try:
             sampled = self.runner.execute(plan)
         except KVCacheFull:

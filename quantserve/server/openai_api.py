@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from quantserve.engine.async_engine import RequestStream
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import SequenceOutput
 from quantserve.errors import InvalidRequestError
@@ -42,37 +43,42 @@ class _Choice:
     num_output_tokens: int = 0
 
 
-async def _merge(gens: list[AsyncIterator[SequenceOutput]]) -> AsyncIterator[tuple[int, SequenceOutput]]:
-    """Interleave several choices' outputs as they arrive. Closing this iterator aborts every choice."""
-    if len(gens) == 1:
-        async for out in gens[0]:
-            yield 0, out
-        return
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, gen: AsyncIterator[SequenceOutput]) -> None:
-        try:
-            async for out in gen:
-                await q.put((i, out))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
-            await q.put((i, exc))
-        finally:
-            await q.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    remaining = len(tasks)
+async def _merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:
+    """Interleave several choices' outputs as they arrive. However this ends (done, error, the client gone), every
+    choice still running is aborted."""
     try:
-        while remaining:
-            i, item = await q.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
+        if len(gens) == 1:
+            async for out in gens[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: RequestStream) -> None:
+            try:
+                async for out in gen:
+                    await q.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+                await q.put((i, exc))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await q.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
     finally:
-        for t in tasks:
-            t.cancel()
+        for g in gens:
+            g.close()
 
 
 def _start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str):
@@ -88,7 +94,7 @@ def _start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid
                 choices.append(_Choice(index=len(choices), prompt_index=p_idx, num_prompt_tokens=len(tokens)))
     except BaseException:
         for g in gens:
-            asyncio.ensure_future(g.aclose())
+            g.close()  # a later choice was refused (queue full): abort the ones already queued
         raise
     return gens, choices
 

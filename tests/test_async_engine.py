@@ -1,0 +1,99 @@
+"""AsyncEngine with a stand-in runner: the queue bound holds under a burst, and aborts free everything."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from quantserve.engine.async_engine import AsyncEngine
+from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.llm_engine import LLMEngine
+from quantserve.engine.sampling_params import SamplingParams
+from quantserve.engine.scheduler import SchedulerConfig
+from quantserve.engine.sequence import SampledToken, Sequence
+from quantserve.errors import ServerOverloadedError
+
+
+class SlowRunner:
+    """Samples token 5 for every finished chunk, after waiting on a gate, so sequences never finish by themselves."""
+
+    n_ctx = 1000
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.freed: list[str] = []
+
+    def is_eog(self, token: int) -> bool:
+        return False
+
+    def token_bytes(self, token: int) -> bytes:
+        return b"x"
+
+    def execute(self, plan):
+        self.gate.wait(0.01)
+        out = []
+        for seq, n in plan:
+            seq.num_computed += n
+            out.append(SampledToken(5) if seq.num_computed == len(seq.tokens) else None)
+        return out
+
+    def free(self, seq, *, keep_sampler: bool = False) -> None:
+        self.freed.append(seq.request_id)
+
+    def num_kv_used(self) -> int:
+        return 0
+
+
+def _seq(rid: str) -> Sequence:
+    p = SamplingParams(max_tokens=10**6)
+    return Sequence(rid, [1, 2, 3], p, IncrementalDetokenizer(), max_total_tokens=10**7)
+
+
+def test_queue_bound_holds_for_a_burst_and_aborts_free_everything():
+    runner = SlowRunner()
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, num_kv_cells=10**7, max_queue_len=2)
+    engine = AsyncEngine(LLMEngine(runner, cfg), max_queue_len=2)
+
+    async def main() -> tuple[int, int]:
+        accepted, refused = [], 0
+        for i in range(10):  # a burst faster than the engine thread takes requests in
+            try:
+                accepted.append(engine.generate(_seq(str(i))))
+            except ServerOverloadedError:
+                refused += 1
+        first = await accepted[0].__anext__()  # the running one streams
+        assert first.text == "x"
+        for gen in accepted:
+            await gen.aclose()  # client gone: abort
+        return len(accepted), refused
+
+    try:
+        n_accepted, n_refused = asyncio.run(main())
+        # one may already be running when the burst fills the queue; never more than slots + queue
+        assert n_accepted <= 1 + 2 and n_refused >= 7
+        for _ in range(200):
+            if not engine.engine.has_work():
+                break
+            threading.Event().wait(0.01)
+        assert not engine.engine.has_work()
+        assert len(set(runner.freed)) == n_accepted
+    finally:
+        engine.stop()
+
+
+def test_stop_fails_waiting_streams_cleanly():
+    runner = SlowRunner()
+    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, num_kv_cells=10**7, max_queue_len=8)
+    engine = AsyncEngine(LLMEngine(runner, cfg), max_queue_len=8)
+
+    async def main():
+        gen = engine.generate(_seq("a"))
+        await gen.__anext__()
+        engine.stop()
+        with pytest.raises(Exception, match="shutting down"):
+            async for _ in gen:
+                pass
+
+    asyncio.run(main())
