@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,6 +227,16 @@ class LLM:
             SamplerChain(self.runner.vocab, self.runner.n_vocab, params).close()
         return self.engine.generate(seq)
 
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
+        """Stream the assistant's reply to OpenAI-style messages; `sampling` takes SamplingParams' fields."""
+        tokens = self.tokenize_prompt(self.render_chat(messages), chat=True)
+        params = self.sampling_params(
+            **{**sampling, "max_tokens": self.check_context(len(tokens), sampling.get("max_tokens"))}
+        )
+        async for out in self.generate(tokens, params):
+            if out.text:
+                yield out.text
+
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self.runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
@@ -247,3 +258,13 @@ class LLM:
         self.runner.close()
         if getattr(self, "_keep_alive", None) is not None:
             self._keep_alive.cleanup()
+
+
+def load(model: str | None = None, *, models_file: str | None = None, **settings: Any) -> LLM:
+    """Load MODEL (a models.toml name, a path or a hub id; default: models.toml's default) for use from Python.
+
+    `settings` are EngineSettings fields, e.g. `load("smollm2", threads=4, ctx_size=2048)`."""
+    from quantserve.registry import find_models_toml, load_registry, resolve
+
+    resolved = resolve(model, load_registry(find_models_toml(models_file)))
+    return LLM.load(resolved, EngineSettings(**settings))
