@@ -38,7 +38,9 @@ def smollm2_hf(smollm2_gguf, tmp_path_factory) -> Path:
     """The full-precision (fp32) HF checkpoint of SmolLM2, made once by our own GGUF -> HF converter."""
     from quantserve.converters import gguf_to_hf
 
-    return gguf_to_hf(smollm2_gguf, tmp_path_factory.mktemp("hf") / "smollm2-hf", dtype="fp32", progress=False)
+    return gguf_to_hf(
+        smollm2_gguf, tmp_path_factory.mktemp("hf") / "smollm2-hf", dtype="fp32", progress=False
+    )
 
 
 def free_port() -> int:

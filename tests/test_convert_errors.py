@@ -10,13 +10,13 @@ from pathlib import Path
 import gguf
 import pytest
 from click.testing import CliRunner
+
+from quantserve.convert_cmd import convert
 from quantserve.converters import gguf_to_hf, hf_to_gguf
 from quantserve.converters.gguf_tensors import GGUFTensorReader
 from quantserve.converters.safetensors_source import SafetensorsSource
 from quantserve.converters.staging import ConversionError
 from quantserve.converters.tokenizer_from_gguf import tokenizer_from_gguf
-
-from quantserve.convert_cmd import convert
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import read_gguf_info
 

@@ -12,9 +12,9 @@ import json
 
 import numpy as np
 import pytest
-from quantserve.converters import gguf_to_hf, hf_to_gguf
-from quantserve.converters.gguf_tensors import GGUFTensorReader
 
+from quantserve.converters import hf_to_gguf
+from quantserve.converters.gguf_tensors import GGUFTensorReader
 from quantserve.formats import read_gguf_info, read_safetensors_header
 from tests.conftest import PARIS
 

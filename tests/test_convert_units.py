@@ -9,6 +9,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
+from safetensors import safe_open
+
 from quantserve.converters.native_quant import ggml_quantize
 from quantserve.converters.pretokenizers import PRE_TOKENIZER_HASHES, PRE_TOKENIZERS
 from quantserve.converters.quant_types import QUANTS, direct_tensor_type, parse_quant
@@ -20,8 +22,6 @@ from quantserve.converters.tensor_math import (
     qk_gguf_rows_for_hf,
     qk_hf_rows_for_gguf,
 )
-from safetensors import safe_open
-
 from quantserve.errors import ConfigError
 
 RNG = np.random.default_rng(0)

@@ -6,7 +6,6 @@ import httpx
 
 from tests.conftest import PARIS, start_server
 
-
 # Measured: re-quantizing SmolLM2 (itself a Q4_1 file) to the K-quant mixes q4_k_m / q5_k_m loses this answer
 # (it answers in French, like the model does without a system prompt), while q8_0, q6_k and q4_1 keep it. So the
 # Paris check runs on q8_0, and the q4_k_m run checks the conversion, the mix and the cache.
@@ -14,9 +13,9 @@ from tests.conftest import PARIS, start_server
 
 def _ask(base_url: str) -> str:
     body = {"messages": PARIS, "temperature": 0, "max_tokens": 24}
-    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"][
-        "content"
-    ]
+    return httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0][
+        "message"
+    ]["content"]
 
 
 def test_run_hf_dir_quantizes_at_load_then_reuses_the_cache(smollm2_hf, tmp_path):
