@@ -63,8 +63,10 @@ def server_defs(gguf: Path, threads: int, n_ctx: int, seqs: int, native: Path | 
     defs.append(
         ServerDef(
             QUANTSERVE,
+            # quantserve gives every sequence its own KV cells; n_ctx / seqs each is what llama-server -np gives its
+            # slots from the same -c, so both hold the same KV memory.
             (py, "-m", "quantserve.cli", "run", str(gguf), "--threads", t, "--max-num-seqs", str(seqs))
-            + ("--ctx-size", str(n_ctx), "--port", str(p), "--log-level", "warning"),
+            + ("--ctx-size", str(n_ctx // seqs), "--port", str(p), "--log-level", "warning"),
             p,
             ignore_eos=True,
         )

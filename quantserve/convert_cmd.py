@@ -51,8 +51,17 @@ def _size(path: Path) -> str:
     "--threads", type=int, default=None, help="Threads for llama.cpp's quantizer [default: all cores]."
 )
 @click.option("--force", is_flag=True, help="Overwrite --dst if it exists.")
+@click.option(
+    "--check", is_flag=True, help="Then compare output and source: size, bits/weight, PPL, KL, top-1."
+)
+@click.option(
+    "--check-text",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Text for --check [default: a built-in English text of about 1,500 tokens].",
+)
 def convert(src: Path, dst: Path, quant: str | None, dtype: str | None, imatrix: Path | None,
-            threads: int | None, force: bool) -> None:  # fmt: skip
+            threads: int | None, force: bool, check: bool, check_text: Path | None) -> None:  # fmt: skip
     """Convert between GGUF and HF safetensors; the direction follows the source.
 
     \b
@@ -61,7 +70,6 @@ def convert(src: Path, dst: Path, quant: str | None, dtype: str | None, imatrix:
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --imatrix imatrix.gguf
     """
-    # a later --check (quality table against the source) hooks in after the conversion below
     from quantserve.converters import gguf_to_hf, hf_to_gguf
     from quantserve.formats import detect
 
@@ -90,3 +98,56 @@ def convert(src: Path, dst: Path, quant: str | None, dtype: str | None, imatrix:
     except QuantserveError as exc:
         _fail(exc)
     click.echo(f"wrote {out} ({_size(out)})")
+    if check:
+        try:
+            click.echo(_check(src, out, fmt, check_text))
+        except QuantserveError as exc:
+            _fail(exc)
+
+
+def _check(src: Path, out: Path, src_format: str, text_file: Path | None) -> str:
+    """Score the source and the output on the same text with llama.cpp: both as GGUF, the HF side converted
+    losslessly (at its own dtype) for the purpose."""
+    from importlib.resources import files
+
+    from quantserve.evaluate import kl_divergence
+    from quantserve.formats import detect, summarize
+    from quantserve.insitu import ensure_gguf
+
+    text = (
+        text_file.read_text(encoding="utf-8")
+        if text_file
+        else (files("quantserve") / "data/eval.txt").read_text()
+    )
+    keep = []
+    if src_format == "gguf":  # GGUF -> HF: does the HF output still behave like the GGUF it came from?
+        base = src
+        model, handle = ensure_gguf(detect(out), None, cache_dir=None, use_cache=False)
+        keep.append(handle)
+    else:  # HF -> GGUF: what did quantization cost against the full-precision source?
+        base, _ = ensure_gguf(detect(src), None, cache_dir=None, use_cache=True)
+        model = out
+    r = kl_divergence(base, model, text)
+    rows = [("source", src, base, r.ppl_base), ("output", out, model, r.ppl_model)]
+    lines = [
+        "",
+        "| | path | size | bits/weight | PPL | ΔPPL | mean KL | top-1 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, shown, gguf, ppl in rows:
+        s = summarize(gguf)
+        delta = 100 * (ppl / r.ppl_base - 1)
+        kl, top1 = (
+            ("0", "100 %") if name == "source" else (f"{r.mean_kl:.5f}", f"{100 * r.top1_agreement:.2f} %")
+        )
+        lines.append(
+            f"| {name} | {shown} | {_size(shown)} | {s.bits_per_weight:.2f} | {ppl:.3f} | {delta:+.2f} % "
+            f"| {kl} | {top1} |"
+        )
+    lines.append(
+        f"\n{r.n_scored} tokens scored ({'built-in text' if text_file is None else text_file}); "
+        "KL is KL(source || output) in nats per token."
+    )
+    for handle in keep:
+        handle.cleanup()
+    return "\n".join(lines)

@@ -98,7 +98,7 @@ def start_server(tmp: Path, *args: str, wait_ready: bool = True, env: dict | Non
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     """The default model, served as `make serve` would, with a small body limit for the 413 test."""
     srv = start_server(
-        tmp_path_factory.mktemp("server"), "smollm2", "--max-num-seqs", "4", "--max-body-bytes", "1048576"
+        tmp_path_factory.mktemp("server"), "smollm2", "--max-num-seqs", "8", "--max-body-bytes", "1048576"
     )
     yield srv
     srv.stop()

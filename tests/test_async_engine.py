@@ -39,8 +39,11 @@ class SlowRunner:
             out.append(SampledToken(5) if seq.num_computed == len(seq.tokens) else None)
         return out
 
-    def free(self, seq, *, keep_sampler: bool = False) -> None:
+    def free(self, seq, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
         self.freed.append(seq.request_id)
+
+    def reuse_slot(self, seq) -> None:
+        pass
 
     def num_kv_used(self) -> int:
         return 0
@@ -97,3 +100,25 @@ def test_stop_fails_waiting_streams_cleanly():
                 pass
 
     asyncio.run(main())
+
+
+def test_a_failing_backend_fails_the_streams_instead_of_hanging():
+    class BrokenRunner(SlowRunner):
+        def execute(self, plan):
+            raise RuntimeError("backend exploded")
+
+        def free(self, seq, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
+            raise RuntimeError("and cannot even free")
+
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_kv_cells=100, max_queue_len=8)
+    engine = AsyncEngine(LLMEngine(BrokenRunner(), cfg), max_queue_len=8)
+
+    async def main():
+        gen = engine.generate(_seq("a"))
+        with pytest.raises(RuntimeError, match="exploded"):
+            await asyncio.wait_for(gen.__anext__(), timeout=10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()

@@ -73,16 +73,16 @@ def test_chunked_prefill_interleaves_with_decode():
     )
     a = _seq("a", 4)
     sched.add(a)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     assert [(s.request_id, n) for s, n in plan] == [("a", 4)]
     _run(sched, plan)
     long = _seq("long", 40)
     sched.add(long)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     # a decodes one token; the long prompt only gets the rest of the 16-token budget
     assert [(s.request_id, n) for s, n in plan] == [("a", 1), ("long", 15)]
     _run(sched, plan)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     assert [(s.request_id, n) for s, n in plan] == [("a", 1), ("long", 15)]
 
 
@@ -93,14 +93,14 @@ def test_slots_limit_admission_and_are_reused():
     seqs = [_seq(str(i), 3) for i in range(3)]
     for s in seqs:
         sched.add(s)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     assert [s.request_id for s, _ in plan] == ["0", "1"]
     assert {seqs[0].seq_id, seqs[1].seq_id} == {0, 1}
     assert seqs[2].status is SequenceStatus.WAITING
     freed = seqs[0].seq_id
     sched.finish(seqs[0], SequenceStatus.FINISHED_STOPPED)
     _run(sched, plan)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     assert seqs[2].seq_id == freed
     assert [s.request_id for s, _ in plan] == ["1", "2"]
 
@@ -112,15 +112,17 @@ def test_kv_pressure_preempts_newest_and_recomputes():
     a, b = _seq("a", 4), _seq("b", 4)
     sched.add(a)
     sched.add(b)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     _run(sched, plan)  # 8 cells used, each has 1 token to decode
-    plan, pre = sched.schedule()
+    sch = sched.schedule()
+    plan, pre = sch.plan, sch.preempted
     _run(sched, plan)  # 10 cells used
-    plan, pre = sched.schedule()  # no room for 2 more tokens: b is preempted
+    sch = sched.schedule()
+    plan, pre = sch.plan, sch.preempted  # no room for 2 more tokens: b is preempted
     assert pre == [b] and b.num_computed == 0 and b.status is SequenceStatus.WAITING
     assert [(s.request_id, n) for s, n in plan] == [("a", 1)]
     sched.finish(a, SequenceStatus.FINISHED_STOPPED)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     assert [(s.request_id, n) for s, n in plan] == [("b", 6)]  # prompt + its 2 generated tokens
 
 
@@ -131,6 +133,50 @@ def test_waiting_sequence_is_not_admitted_without_kv_room():
     a, b = _seq("a", 8), _seq("b", 8)
     sched.add(a)
     sched.add(b)
-    plan, _ = sched.schedule()
+    plan = sched.schedule().plan
     assert [s.request_id for s, _ in plan] == ["a"]
     assert b.status is SequenceStatus.WAITING
+
+
+def _finish_all(sched: Scheduler) -> None:
+    for seq in list(sched.running):
+        sched.finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+
+def test_prefix_cache_reuses_the_slot_with_the_longest_common_prefix():
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=2, max_num_batched_tokens=64, num_kv_cells=100, max_queue_len=8, prefix_caching=True
+        )
+    )
+    system = list(range(100, 120))
+    a, b = _seq("a", 0), _seq("b", 0)
+    a.tokens, b.tokens = system + [1, 2, 3], [7, 8, 9]
+    sched.add(a)
+    sched.add(b)
+    _run(sched, sched.schedule().plan)
+    slot_a = a.seq_id
+    _finish_all(sched)
+    assert sched.slot_tokens[slot_a] == system + [1, 2, 3]  # prompt only: the sampled token was never fed
+    c = _seq("c", 0)
+    c.tokens = system + [4, 5]
+    sched.add(c)
+    s = sched.schedule()
+    assert s.admitted == [c] and c.seq_id == slot_a and c.num_computed == len(system)
+    assert [(q.request_id, n) for q, n in s.plan] == [("c", 2)]  # only the new suffix is computed
+
+
+def test_prefix_cache_always_recomputes_the_last_prompt_token():
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=1, max_num_batched_tokens=64, num_kv_cells=100, max_queue_len=8, prefix_caching=True
+        )
+    )
+    a = _seq("a", 6)
+    sched.add(a)
+    _run(sched, sched.schedule().plan)
+    _finish_all(sched)
+    again = _seq("again", 6)  # the very same prompt
+    sched.add(again)
+    s = sched.schedule()
+    assert again.num_computed == 5 and [(q.request_id, n) for q, n in s.plan] == [("again", 1)]

@@ -28,6 +28,12 @@ class ModelRunner(Protocol):
         whose tokens are then all computed, sample its next token; others get None."""
         ...
 
-    def free(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
-        """Release the sequence's KV (and its sampler unless kept for a later recompute)."""
+    def free(self, seq: Sequence, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
+        """Release the sequence's sampler (unless kept for a recompute) and its KV (unless kept as a prefix cache
+        in its slot)."""
+        ...
+
+    def reuse_slot(self, seq: Sequence) -> None:
+        """`seq` was admitted to slot seq.seq_id with its first seq.num_computed tokens already cached there;
+        drop the slot's KV past them."""
         ...

@@ -38,7 +38,10 @@ class AsyncEngine:
         self._num_waiting = 0  # the scheduler's waiting queue, as the engine thread last saw it
         self._num_inbox_adds = 0  # submitted, not yet taken by the engine thread (guarded by _lock)
         self._stopping = False
-        self.kv_cells_used = 0  # llama.cpp's own count, refreshed by the engine thread whenever it goes idle
+        # Refreshed by the engine thread whenever it goes idle: llama.cpp's own count of cells holding KV, and the
+        # cells the scheduler keeps as prefix cache. With nothing running they must be equal (no leaked KV).
+        self.kv_cells_used = 0
+        self.kv_cells_cached = 0
         self._thread = threading.Thread(target=self._run, name="quantserve-engine", daemon=True)
         self._thread.start()
 
@@ -81,11 +84,20 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the thread is dying: no client may be left waiting on it
+            log.exception("engine thread failed")
+            self._fail_all(RuntimeError(f"the engine stopped: {type(exc).__name__}: {exc}"))
+            raise
+
+    def _loop(self) -> None:
         eng = self.engine
         while True:
             block = not eng.has_work()
             if block:
                 self.kv_cells_used = eng.runner.num_kv_used()
+                self.kv_cells_cached = eng.scheduler.num_kv_cached
             try:
                 while True:
                     cmd, arg = self._inbox.get(block=block, timeout=None)
@@ -137,11 +149,16 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     def _fail_all(self, exc: Exception) -> None:
+        """Fail every open stream with `exc`, freeing what can be freed; never raises."""
         eng = self.engine
-        failed = [(s.request_id, exc) for s in list(eng.scheduler.running) + list(eng.scheduler.waiting)]
-        for rid, _ in failed:
-            eng.abort(rid)
-        self._deliver(failed)
+        for seq in list(eng.scheduler.running) + list(eng.scheduler.waiting):
+            try:
+                eng.abort(seq.request_id)
+            except Exception:  # keep going: the streams below must be failed whatever happens here
+                log.exception("could not abort %s cleanly", seq.request_id)
+        with self._lock:
+            open_ids = list(self._streams)
+        self._deliver([(rid, exc) for rid in open_ids])
 
     def _abort_all(self) -> None:
         from quantserve.errors import ModelLoadingError

@@ -25,16 +25,19 @@ class LLMEngine:
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self.runner.free(seq)
+        keep_kv = self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self.runner.free(seq, keep_kv=keep_kv)
         return self._output(seq, "", None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def step(self) -> list[SequenceOutput]:
-        plan, preempted = self.scheduler.schedule()
-        for seq in preempted:
+        sched = self.scheduler.schedule()
+        plan = sched.plan
+        for seq in sched.admitted:
+            self.runner.reuse_slot(seq)  # drop the slot's cached KV past the prefix this sequence shares
+        for seq in sched.preempted:
             log.info("preempted %s (KV full); it will be recomputed", seq.request_id)
             self.runner.free(seq, keep_sampler=True)
         if not plan:
@@ -76,8 +79,8 @@ class LLMEngine:
         return self._output(seq, text, lps)
 
     def _finish(self, seq, status, text, lps) -> SequenceOutput:
-        self.scheduler.finish(seq, status)
-        self.runner.free(seq)
+        keep_kv = self.scheduler.finish(seq, status)
+        self.runner.free(seq, keep_kv=keep_kv)
         self._by_id.pop(seq.request_id, None)
         return self._output(seq, text, lps)
 

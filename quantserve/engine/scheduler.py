@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: admits, chunks prefill, mixes it with decode, preempts on KV pressure.
+"""Continuous-batching scheduler: admits, reuses cached prefixes, chunks prefill, mixes it with decode, preempts.
 
 Pure Python bookkeeping; it never touches the model. A step's plan is a list of (sequence, n_tokens): the first
 `n_tokens` uncomputed tokens of each sequence go into one batch.
@@ -7,7 +7,7 @@ Pure Python bookkeeping; it never touches the model. A step's plan is a list of 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantserve.engine.sequence import Sequence, SequenceStatus
 
@@ -16,8 +16,26 @@ from quantserve.engine.sequence import Sequence, SequenceStatus
 class SchedulerConfig:
     max_num_seqs: int  # sequences decoded together (KV slots)
     max_num_batched_tokens: int  # tokens in one step's batch (llama.cpp n_batch)
-    num_kv_cells: int  # KV capacity shared by all sequences
+    num_kv_cells: int  # KV capacity of all slots together
     max_queue_len: int  # waiting requests beyond which new ones are refused
+    # Slots own their KV cells (per-sequence KV): a finished sequence leaves its tokens in its slot, and the next
+    # sequence admitted there skips the common prefix (llama-server's prompt cache). Off with a shared KV pool.
+    prefix_caching: bool = False
+
+
+@dataclass(frozen=True)
+class Schedule:
+    plan: list[tuple[Sequence, int]]
+    preempted: list[Sequence] = field(default_factory=list)  # lost their KV; will recompute
+    admitted: list[Sequence] = field(default_factory=list)  # new in a slot; its KV past num_computed is stale
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class Scheduler:
@@ -26,11 +44,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.slot_tokens: dict[int, list[int]] = {}  # free slot -> tokens whose KV it still holds
 
     # ---- admission ---------------------------------------------------------------------------
-
-    def can_add(self) -> bool:
-        return len(self.waiting) < self.config.max_queue_len
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -43,14 +59,17 @@ class Scheduler:
     def num_kv_used(self) -> int:
         return sum(s.num_computed for s in self.running)
 
+    @property
+    def num_kv_cached(self) -> int:
+        return sum(len(t) for t in self.slot_tokens.values())
+
     # ---- one step -------------------------------------------------------------------------------
 
-    def schedule(self) -> tuple[list[tuple[Sequence, int]], list[Sequence]]:
-        """Plan one batch. Returns (plan, preempted) where preempted sequences lost their KV (recompute later)."""
+    def schedule(self) -> Schedule:
+        """Plan one batch: decode tokens first, then prefill chunks of running sequences, then new admissions."""
         cfg = self.config
         preempted: list[Sequence] = []
-        # Decode first: every running sequence that has only its last sampled token to feed.
-        # If the KV cannot hold one more token each, preempt the newest until it can.
+        # If the KV cannot hold one more token for each running sequence, preempt the newest until it can.
         while self.running and self.num_kv_used + len(self.running) > cfg.num_kv_cells:
             preempted.append(self._preempt(self.running[-1]))
         budget = cfg.max_num_batched_tokens
@@ -61,21 +80,21 @@ class Scheduler:
                 plan.append((seq, 1))
                 budget -= 1
                 kv_free -= 1
-        # Then continue chunked prefills of running sequences, oldest first.
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0 and kv_free > 0:
                 n = min(seq.num_uncomputed, budget, kv_free)
                 plan.append((seq, n))
                 budget -= n
                 kv_free -= n
-        # Then admit waiting sequences while slots, budget and KV remain. A sequence is admitted only if its whole
-        # prompt fits in the free KV, so prefills do not thrash each other.
+        # Admit while slots, budget and KV remain; only if the whole prompt fits, so prefills do not thrash.
+        admitted: list[Sequence] = []
         while self.waiting and self._free_slots and budget > 0:
             seq = self.waiting[0]
             if seq.num_uncomputed > kv_free and self.running:
                 break
             self.waiting.popleft()
-            seq.seq_id = self._free_slots.pop()
+            self._assign_slot(seq)
+            admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed, budget, kv_free)
@@ -83,7 +102,20 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
                 kv_free -= n
-        return plan, preempted
+        return Schedule(plan, preempted, admitted)
+
+    def _assign_slot(self, seq: Sequence) -> None:
+        if not self.config.prefix_caching or seq.num_computed:
+            seq.seq_id = self._free_slots.pop()
+            self.slot_tokens.pop(seq.seq_id, None)
+            return
+        # The free slot whose cached tokens share the longest prefix with this sequence; at least the last token
+        # is recomputed, since its logits are needed.
+        best = max(self._free_slots, key=lambda s: common_prefix_len(self.slot_tokens.get(s, []), seq.tokens))
+        self._free_slots.remove(best)
+        cached = self.slot_tokens.pop(best, [])
+        seq.seq_id = best
+        seq.num_computed = min(common_prefix_len(cached, seq.tokens), len(seq.tokens) - 1)
 
     def _preempt(self, seq: Sequence) -> Sequence:
         """Drop a running sequence's KV; it goes back to the front of the queue and recomputes its tokens."""
@@ -97,11 +129,16 @@ class Scheduler:
     def preempt_newest(self) -> Sequence | None:
         return self._preempt(self.running[-1]) if self.running else None
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Remove a sequence (running or waiting) for good. The caller frees its KV slot in the model."""
+    def finish(self, seq: Sequence, status: SequenceStatus) -> bool:
+        """Remove a sequence (running or waiting) for good. Returns whether its slot keeps the KV as a prefix cache;
+        otherwise the caller frees the KV in the model."""
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
             self._free_slots.append(seq.seq_id)
+            if self.config.prefix_caching:
+                self.slot_tokens[seq.seq_id] = seq.tokens[: seq.num_computed]
+                return True
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        return False

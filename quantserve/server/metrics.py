@@ -35,6 +35,13 @@ class Metrics:
         self.queue_depth = Gauge("quantserve_queue_depth", "Requests waiting for a sequence slot", registry=r)
         self.running = Gauge("quantserve_running_sequences", "Sequences being generated", registry=r)
         self.kv_cells_used = Gauge(
-            "quantserve_kv_cells_used", "KV cells held (refreshed when idle)", registry=r
+            "quantserve_kv_cells_used",
+            "KV cells holding data, per llama.cpp (refreshed when idle)",
+            registry=r,
+        )
+        self.kv_cells_cached = Gauge(
+            "quantserve_kv_cells_cached",
+            "KV cells kept as prefix cache in free slots (refreshed when idle)",
+            registry=r,
         )
         self.ready = Gauge("quantserve_model_ready", "1 once the model is loaded", registry=r)

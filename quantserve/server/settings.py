@@ -34,6 +34,9 @@ class ServerSettings(BaseModel):
         description="share one KV pool (--kv-size cells) among sequences: less memory, but batched outputs may "
         "drift from unbatched ones; default: ctx-size cells per sequence",
     )
+    prefix_cache: bool = Field(
+        default=True, description="reuse the KV of a shared prompt prefix (system prompts, chat history)"
+    )
     kv_size: int = Field(
         default=0, ge=0, description="cells in the shared pool with --kv-unified (0: ctx-size)"
     )
@@ -71,6 +74,7 @@ class ServerSettings(BaseModel):
             ctx_size=self.ctx_size or resolved.entry.ctx_size,
             kv_size=self.kv_size,
             kv_unified=self.kv_unified,
+            prefix_cache=self.prefix_cache,
             max_num_seqs=self.max_num_seqs,
             max_queue_len=self.max_queue_len,
             n_batch=self.n_batch,

@@ -32,7 +32,7 @@ class LlamaCppSettings:
     n_gpu_layers: int = 0  # -1 = all (needs a Metal/CUDA build)
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
-    flash_attn: bool | None = None  # None: off on CPU, llama.cpp's auto when layers are offloaded
+    flash_attn: bool | None = None  # None: llama.cpp's auto
     use_mmap: bool = True
 
 
@@ -102,11 +102,9 @@ class LlamaCppRunner:
         cparams.type_k = KV_CACHE_TYPES[settings.cache_type_k]
         cparams.type_v = KV_CACHE_TYPES[settings.cache_type_v]
         cparams.no_perf = True
-        # llama.cpp's CPU flash attention makes logits depend on the batch (measured: up to 0.77 apart for the same
-        # prompt alone or batched, flipping greedy tokens), so it stays off unless asked for or offloading.
-        flash = (
-            settings.flash_attn if settings.flash_attn is not None else (settings.n_gpu_layers != 0 or None)
-        )
+        # With per-sequence KV, flash attention on or off gives batched tokens identical to unbatched ones
+        # (measured); with the unified pool both drift. So llama.cpp's own choice (auto) is kept by default.
+        flash = settings.flash_attn
         cparams.flash_attn_type = -1 if flash is None else int(flash)
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -239,13 +237,16 @@ class LlamaCppRunner:
             top = tuple((int(t), float(logits[t]) - lse) for t in cand)
         return TokenLogprob(token, float(logits[token]) - lse, top)
 
-    def free(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
-        if seq.seq_id >= 0:
+    def free(self, seq: Sequence, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
+        if seq.seq_id >= 0 and not keep_kv:
             lc.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
         if not keep_sampler:
             chain = self._samplers.pop(id(seq), None)
             if chain is not None:
                 chain.close()
+
+    def reuse_slot(self, seq: Sequence) -> None:
+        lc.llama_memory_seq_rm(self.memory, seq.seq_id, seq.num_computed, -1)
 
     def num_kv_used(self) -> int:
         """Cells in use according to llama.cpp itself (for leak tests)."""
