@@ -40,6 +40,7 @@ from quantserve.loadgen import (  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
 
 QUANTSERVE, LCPP, NATIVE = "quantserve", "llama-cpp-python", "llama-server"
+QUANTSERVE_UNIFIED = "quantserve-kv-unified"
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,18 @@ def server_defs(gguf: Path, threads: int, n_ctx: int, seqs: int, native: Path | 
             # slots from the same -c, so both hold the same KV memory.
             (py, "-m", "quantserve.cli", "run", str(gguf), "--threads", t, "--max-num-seqs", str(seqs))
             + ("--ctx-size", str(n_ctx // seqs), "--port", str(p), "--log-level", "warning"),
+            p,
+            ignore_eos=True,
+        )
+    )
+    p = free_port()
+    defs.append(
+        ServerDef(
+            QUANTSERVE_UNIFIED,
+            # one shared pool of n_ctx cells, as llama-server's -c: more throughput, outputs depend on batching
+            (py, "-m", "quantserve.cli", "run", str(gguf), "--threads", t, "--max-num-seqs", str(seqs))
+            + ("--kv-unified", "--kv-size", str(n_ctx), "--ctx-size", str(n_ctx // seqs))
+            + ("--port", str(p), "--log-level", "warning"),
             p,
             ignore_eos=True,
         )
@@ -186,21 +199,28 @@ def summary_md(runs: dict[str, list[LoadResult]]) -> str:
 
 
 def ratio_md(runs: dict[str, list[LoadResult]]) -> tuple[str, list[dict]]:
-    peers = [n for n in runs if n != QUANTSERVE]
-    if QUANTSERVE not in runs or not peers:
+    ours_names = [n for n in runs if n.startswith(QUANTSERVE)]
+    peers = [n for n in runs if not n.startswith(QUANTSERVE)]
+    if not ours_names or not peers:
         return "(needs quantserve and a peer)", []
-    head = "| conc | " + " | ".join(f"tok/s vs {p} | TTFT p50 vs {p} | TPOT p50 vs {p}" for p in peers) + " |"
-    lines = [head, "|---|" + "---|---|---|" * len(peers)]
+    head = (
+        "| quantserve | conc | "
+        + " | ".join(f"tok/s vs {p} | TTFT p50 vs {p} | TPOT p50 vs {p}" for p in peers)
+        + " |"
+    )
+    lines = [head, "|---|---|" + "---|---|---|" * len(peers)]
     rows = []
-    for i, ours in enumerate(runs[QUANTSERVE]):
-        cells = []
-        for p in peers:
-            r = ratios(ours, runs[p][i])
-            rows.append({"concurrency": ours.concurrency, "peer": p, **r})
-            cells += [
-                "-" if r[k] is None else f"x{r[k]:.2f}" for k in ("agg_tok_s", "ttft_p50_ms", "tpot_p50_ms")
-            ]
-        lines.append(f"| {ours.concurrency} | " + " | ".join(cells) + " |")
+    for name in ours_names:
+        for i, ours in enumerate(runs[name]):
+            cells = []
+            for p in peers:
+                r = ratios(ours, runs[p][i])
+                rows.append({"quantserve": name, "concurrency": ours.concurrency, "peer": p, **r})
+                cells += [
+                    "-" if r[k] is None else f"x{r[k]:.2f}"
+                    for k in ("agg_tok_s", "ttft_p50_ms", "tpot_p50_ms")
+                ]
+            lines.append(f"| {name} | {ours.concurrency} | " + " | ".join(cells) + " |")
     return "\n".join(lines), rows
 
 
@@ -306,7 +326,10 @@ def main() -> int:
         "--llama-server", type=Path, default=None, help="default: bench/.build/llama-server if built"
     )
     ap.add_argument(
-        "--only", nargs="+", choices=[QUANTSERVE, LCPP, NATIVE], help="measure only these servers"
+        "--only",
+        nargs="+",
+        choices=[QUANTSERVE, QUANTSERVE_UNIFIED, LCPP, NATIVE],
+        help="measure only these servers",
     )
     ap.add_argument("--quick", action="store_true", help="a smoke run: few requests, 32 tokens")
     ap.add_argument("--ready-timeout", type=float, default=180.0)

@@ -38,7 +38,7 @@ class EngineSettings:
     kv_size: int = 0
     kv_unified: bool = False
     prefix_cache: bool = True  # reuse a free slot's KV for a shared prompt prefix (per-sequence KV only)
-    max_num_seqs: int = 8
+    max_num_seqs: int = 4
     max_queue_len: int = 64
     n_batch: int = 512
     threads: int = 0
@@ -71,7 +71,8 @@ class LLM:
             max_num_batched_tokens=settings.n_batch,
             num_kv_cells=runner.n_kv_cells,
             max_queue_len=settings.max_queue_len,
-            prefix_caching=settings.prefix_cache and not runner.kv_unified,
+            prefix_caching=settings.prefix_cache,
+            shared_kv=runner.kv_unified,
         )
         self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()

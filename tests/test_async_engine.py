@@ -45,6 +45,9 @@ class SlowRunner:
     def reuse_slot(self, seq) -> None:
         pass
 
+    def clear_slot(self, slot: int) -> None:
+        pass
+
     def num_kv_used(self) -> int:
         return 0
 

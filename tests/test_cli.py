@@ -82,3 +82,34 @@ def test_boolean_settings_are_flags():
     r = _cli("run", "--help")
     assert "--kv-unified / --no-kv-unified" in r.stdout
     assert "--no-cache " in r.stdout and "--no-no-cache" not in r.stdout
+
+
+def test_convert_check_prints_the_quality_table(smollm2_hf, tmp_path):
+    out = tmp_path / "smol.q8_0.gguf"
+    env_cache = {"QUANTSERVE_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "quantserve.cli",
+            "convert",
+            "--src",
+            str(smollm2_hf),
+            "--dst",
+            str(out),
+            "--quant",
+            "q8_0",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**__import__("os").environ, **env_cache},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| source") or ln.startswith("| output")]
+    assert len(rows) == 2
+    cells = [c.strip() for c in rows[1].strip("|").split("|")]
+    ppl_delta, kl, top1 = float(cells[5].rstrip(" %")), float(cells[6]), float(cells[7].rstrip(" %"))
+    assert kl < 0.02 and top1 > 95 and abs(ppl_delta) < 3  # q8_0 of a model is nearly lossless

@@ -6,6 +6,9 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
+
+from tests.conftest import start_server
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -47,18 +50,43 @@ def _chat(base_url: str, question: str, max_tokens: int = 64, stream: bool = Fal
     return {"text": text, "finish_reason": finish, "done": done}
 
 
-def test_concurrent_greedy_equals_alone(server):
-    """Each sequence has its own KV cells and CPU flash attention is off, so batching does not change the
-    arithmetic: the texts must be identical, not merely close (see README, 'Batch invariance')."""
-    alone = [_chat(server.base_url, q)["choices"][0]["message"]["content"] for q in QUESTIONS]
+@pytest.fixture(scope="module")
+def unified_server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("uni"), "smollm2", "--max-num-seqs", "8", "--kv-unified")
+    yield srv
+    srv.stop()
+
+
+def _texts(base_url: str, parallel: bool) -> list[str]:
+    def one(q: str) -> str:
+        return _chat(base_url, q)["choices"][0]["message"]["content"]
+
+    if not parallel:
+        return [one(q) for q in QUESTIONS]
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-        together = list(
-            pool.map(lambda q: _chat(server.base_url, q)["choices"][0]["message"]["content"], QUESTIONS)
-        )
-    assert together == alone
+        return list(pool.map(one, QUESTIONS))
 
 
-def test_fifty_requests_from_eight_clients_are_complete(server):
+def test_concurrent_greedy_equals_alone(server):
+    """Every sequence has its own KV cells (the default), so batching does not change the arithmetic: the texts
+    are identical, not merely close (see README, 'Batch invariance'). The prefix cache is on, so this also shows
+    that reusing cached prefixes changes nothing."""
+    alone = _texts(server.base_url, parallel=False)
+    assert _texts(server.base_url, parallel=True) == alone
+    assert _texts(server.base_url, parallel=False) == alone
+
+
+def test_kv_unified_serves_every_concurrent_request_completely(unified_server):
+    """With --kv-unified, attention over interleaved cells lets batched greedy tokens drift from unbatched ones
+    (measured: 0-78 of 96 tokens identical), so equality is not asserted; every answer must still be complete."""
+    for parallel in (False, True):
+        texts = _texts(unified_server.base_url, parallel=parallel)
+        assert len(texts) == len(QUESTIONS) and all(texts)
+
+
+@pytest.mark.parametrize("which", ["server", "unified_server"])
+def test_fifty_requests_from_eight_clients_are_complete(which, request):
+    server = request.getfixturevalue(which)
     jobs = [(QUESTIONS[i % len(QUESTIONS)], 8 + (i * 7) % 40, i % 2 == 0) for i in range(50)]
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda j: _chat(server.base_url, j[0], j[1], j[2]), jobs))

@@ -180,3 +180,52 @@ def test_prefix_cache_always_recomputes_the_last_prompt_token():
     sched.add(again)
     s = sched.schedule()
     assert again.num_computed == 5 and [(q.request_id, n) for q, n in s.plan] == [("again", 1)]
+
+
+def test_shared_pool_evicts_oldest_cached_prefix_when_cells_are_needed():
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=3,
+            max_num_batched_tokens=64,
+            num_kv_cells=20,
+            max_queue_len=8,
+            prefix_caching=True,
+            shared_kv=True,
+        )
+    )
+    a, b = _seq("a", 8), _seq("b", 8)
+    a.tokens, b.tokens = [1] * 8, [2] * 8
+    for s in (a, b):
+        sched.add(s)
+    _run(sched, sched.schedule().plan)
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED)  # cached first: evicted first
+    sched.finish(b, SequenceStatus.FINISHED_STOPPED)
+    assert sched.num_kv_cached == 16
+    c = _seq("c", 10)
+    c.tokens = [3] * 10  # shares nothing; needs 10 of the 4 free cells
+    sched.add(c)
+    s = sched.schedule()
+    assert s.admitted == [c] and s.evicted == [a.seq_id]
+    assert list(sched.slot_tokens) == [b.seq_id] and sched.num_kv_used + sched.num_kv_cached <= 20
+
+
+def test_per_sequence_kv_does_not_count_cached_prefixes_against_the_pool():
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+            num_kv_cells=20,
+            max_queue_len=8,
+            prefix_caching=True,
+            shared_kv=False,
+        )
+    )
+    a = _seq("a", 10)
+    sched.add(a)
+    _run(sched, sched.schedule().plan)
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED)
+    b = _seq("b", 10)
+    b.tokens = [9] * 10
+    sched.add(b)
+    s = sched.schedule()
+    assert s.admitted == [b] and s.evicted == []  # its own slot's cells: nothing to evict

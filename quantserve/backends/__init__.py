@@ -33,6 +33,10 @@ class ModelRunner(Protocol):
         in its slot)."""
         ...
 
+    def clear_slot(self, slot: int) -> None:
+        """Drop all KV cached in a free slot."""
+        ...
+
     def reuse_slot(self, seq: Sequence) -> None:
         """`seq` was admitted to slot seq.seq_id with its first seq.num_computed tokens already cached there;
         drop the slot's KV past them."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from quantserve.backends import KVCacheFull, ModelRunner
 from quantserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -35,6 +36,8 @@ class LLMEngine:
     def step(self) -> list[SequenceOutput]:
         sched = self.scheduler.schedule()
         plan = sched.plan
+        for slot in sched.evicted:
+            self.runner.clear_slot(slot)
         for seq in sched.admitted:
             self.runner.reuse_slot(seq)  # drop the slot's cached KV past the prefix this sequence shares
         for seq in sched.preempted:
@@ -42,8 +45,7 @@ class LLMEngine:
             self.runner.free(seq, keep_sampler=True)
         if not plan:
             return []
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("step: %d sequences, %d tokens", len(plan), sum(n for _, n in plan))
+        t0 = time.perf_counter()
         try:
             sampled = self.runner.execute(plan)
         except KVCacheFull:
@@ -51,6 +53,13 @@ class LLMEngine:
             if victim is not None:
                 self.runner.free(victim, keep_sampler=True)
             return []
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step: %d sequences, %d tokens, %.1f ms",
+                len(plan),
+                sum(n for _, n in plan),
+                1000 * (time.perf_counter() - t0),
+            )
         outputs: list[SequenceOutput] = []
         for (seq, _), result in zip(plan, sampled, strict=True):
             if result is None:

@@ -18,9 +18,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # tokens in one step's batch (llama.cpp n_batch)
     num_kv_cells: int  # KV capacity of all slots together
     max_queue_len: int  # waiting requests beyond which new ones are refused
-    # Slots own their KV cells (per-sequence KV): a finished sequence leaves its tokens in its slot, and the next
-    # sequence admitted there skips the common prefix (llama-server's prompt cache). Off with a shared KV pool.
+    # A finished sequence leaves its tokens' KV in its slot, and the next sequence admitted there skips the common
+    # prefix (llama-server's prompt cache).
     prefix_caching: bool = False
+    # One pool of cells for all slots (llama.cpp's unified KV): cached slots take cells from it and are evicted,
+    # oldest first, when running sequences need them. Without it every slot owns num_kv_cells / max_num_seqs.
+    shared_kv: bool = True
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Schedule:
     plan: list[tuple[Sequence, int]]
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV; will recompute
     admitted: list[Sequence] = field(default_factory=list)  # new in a slot; its KV past num_computed is stale
+    evicted: list[int] = field(default_factory=list)  # free slots whose cached KV must be dropped
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -63,17 +67,30 @@ class Scheduler:
     def num_kv_cached(self) -> int:
         return sum(len(t) for t in self.slot_tokens.values())
 
+    def _kv_free(self) -> int:
+        cached = self.num_kv_cached if self.config.shared_kv else 0
+        return self.config.num_kv_cells - self.num_kv_used - cached
+
+    def _evict(self, need: int, evicted: list[int]) -> None:
+        """Drop cached slots, oldest first, until `need` cells are free (shared pool only)."""
+        while self.config.shared_kv and self._kv_free() < need and self.slot_tokens:
+            slot = next(iter(self.slot_tokens))
+            del self.slot_tokens[slot]
+            evicted.append(slot)
+
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> Schedule:
         """Plan one batch: decode tokens first, then prefill chunks of running sequences, then new admissions."""
         cfg = self.config
         preempted: list[Sequence] = []
-        # If the KV cannot hold one more token for each running sequence, preempt the newest until it can.
-        while self.running and self.num_kv_used + len(self.running) > cfg.num_kv_cells:
+        evicted: list[int] = []
+        # Room for one more token per running sequence: evict cached prefixes first, then preempt the newest.
+        self._evict(len(self.running), evicted)
+        while self.running and self._kv_free() < len(self.running):
             preempted.append(self._preempt(self.running[-1]))
         budget = cfg.max_num_batched_tokens
-        kv_free = cfg.num_kv_cells - self.num_kv_used
+        kv_free = self._kv_free()
         plan: list[tuple[Sequence, int]] = []
         for seq in self.running:
             if seq.num_uncomputed == 1 and budget > 0:
@@ -90,10 +107,17 @@ class Scheduler:
         admitted: list[Sequence] = []
         while self.waiting and self._free_slots and budget > 0:
             seq = self.waiting[0]
-            if seq.num_uncomputed > kv_free and self.running:
+            slot, n_cached = self._pick_slot(seq)
+            need = len(seq.tokens) - n_cached
+            # Cells free once every other cached slot is evicted and this one is trimmed to the shared prefix.
+            slot_cached = len(self.slot_tokens.get(slot, [])) if cfg.shared_kv else 0
+            others = self.num_kv_cached - slot_cached if cfg.shared_kv else 0
+            if need > kv_free + others + slot_cached - n_cached and self.running:
                 break
             self.waiting.popleft()
-            self._assign_slot(seq)
+            self._take_slot(seq, slot, n_cached)
+            self._evict(need, evicted)
+            kv_free = self._kv_free()
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -102,20 +126,22 @@ class Scheduler:
                 plan.append((seq, n))
                 budget -= n
                 kv_free -= n
-        return Schedule(plan, preempted, admitted)
+        return Schedule(plan, preempted, admitted, evicted)
 
-    def _assign_slot(self, seq: Sequence) -> None:
-        if not self.config.prefix_caching or seq.num_computed:
-            seq.seq_id = self._free_slots.pop()
-            self.slot_tokens.pop(seq.seq_id, None)
-            return
-        # The free slot whose cached tokens share the longest prefix with this sequence; at least the last token
-        # is recomputed, since its logits are needed.
+    def _pick_slot(self, seq: Sequence) -> tuple[int, int]:
+        """The free slot whose cached tokens share the longest prefix with `seq`, and how many tokens it can reuse
+        (never the last: its logits are needed). Without prefix caching, any free slot and 0."""
+        if not self.config.prefix_caching:
+            return self._free_slots[-1], 0
         best = max(self._free_slots, key=lambda s: common_prefix_len(self.slot_tokens.get(s, []), seq.tokens))
-        self._free_slots.remove(best)
-        cached = self.slot_tokens.pop(best, [])
-        seq.seq_id = best
-        seq.num_computed = min(common_prefix_len(cached, seq.tokens), len(seq.tokens) - 1)
+        n = common_prefix_len(self.slot_tokens.get(best, []), seq.tokens)
+        return best, min(n, len(seq.tokens) - 1)
+
+    def _take_slot(self, seq: Sequence, slot: int, n_cached: int) -> None:
+        self._free_slots.remove(slot)
+        self.slot_tokens.pop(slot, None)
+        seq.seq_id = slot
+        seq.num_computed = n_cached
 
     def _preempt(self, seq: Sequence) -> Sequence:
         """Drop a running sequence's KV; it goes back to the front of the queue and recomputes its tokens."""
@@ -136,8 +162,8 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
             self._free_slots.append(seq.seq_id)
-            if self.config.prefix_caching:
-                self.slot_tokens[seq.seq_id] = seq.tokens[: seq.num_computed]
+            if self.config.prefix_caching and seq.num_computed:
+                self.slot_tokens[seq.seq_id] = seq.tokens[: seq.num_computed]  # newest last: evicted last
                 return True
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -31,16 +31,15 @@ class ServerSettings(BaseModel):
     )
     kv_unified: bool = Field(
         default=False,
-        description="share one KV pool (--kv-size cells) among sequences: less memory, but batched outputs may "
-        "drift from unbatched ones; default: ctx-size cells per sequence",
+        description="share one KV pool of --kv-size cells among sequences (llama-server's layout): less memory and "
+        "more throughput, but outputs then depend on what else runs (greedy and seeded results may differ between "
+        "runs). Default: ctx-size cells per sequence, outputs independent of batching",
     )
     prefix_cache: bool = Field(
         default=True, description="reuse the KV of a shared prompt prefix (system prompts, chat history)"
     )
-    kv_size: int = Field(
-        default=0, ge=0, description="cells in the shared pool with --kv-unified (0: ctx-size)"
-    )
-    max_num_seqs: int = Field(default=8, ge=1, le=256, description="sequences generated together")
+    kv_size: int = Field(default=0, ge=0, description="cells in the shared KV pool (0: 2 x ctx-size)")
+    max_num_seqs: int = Field(default=4, ge=1, le=256, description="sequences generated together")
     max_queue_len: int = Field(
         default=64, ge=1, description="waiting requests beyond which the server answers 503"
     )

@@ -25,7 +25,7 @@ KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7
 class LlamaCppSettings:
     n_ctx: int = 0  # longest sequence; 0 = the model's training context, capped at 8192
     kv_unified: bool = False  # one KV pool shared by all sequences, instead of n_ctx cells each
-    n_kv_cells: int = 0  # size of the unified pool; 0 = n_ctx
+    n_kv_cells: int = 0  # size of the unified pool; 0 = 2 x n_ctx
     max_num_seqs: int = 8
     n_batch: int = 512
     n_threads: int = 0  # 0 = physical cores as llama.cpp counts them
@@ -87,7 +87,7 @@ class LlamaCppRunner:
         # request gives the same tokens alone or batched (measured: identical; with the unified pool, summation
         # order over interleaved cells makes tokens drift after a few dozen). It costs n_ctx cells per sequence.
         if settings.kv_unified:
-            n_cells = max(settings.n_kv_cells or self.n_ctx, self.n_ctx)
+            n_cells = max(settings.n_kv_cells or 2 * self.n_ctx, self.n_ctx)
         else:
             n_cells = self.n_ctx * settings.max_num_seqs
         threads = settings.n_threads or max(1, (os.cpu_count() or 2))
@@ -244,6 +244,9 @@ class LlamaCppRunner:
             chain = self._samplers.pop(id(seq), None)
             if chain is not None:
                 chain.close()
+
+    def clear_slot(self, slot: int) -> None:
+        lc.llama_memory_seq_rm(self.memory, slot, -1, -1)
 
     def reuse_slot(self, seq: Sequence) -> None:
         lc.llama_memory_seq_rm(self.memory, seq.seq_id, seq.num_computed, -1)
