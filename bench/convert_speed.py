@@ -148,7 +148,29 @@ def main() -> None:
         print(
             f"\nQ4_K_M tensors identical, ours vs llama.cpp's quantizer on {via}: {'yes' if same else 'NO'}"
         )
+    peer_bf16 = work / "peer-bf16.gguf"
+    if peer_ran and peer_bf16.is_file():
+        compare_metadata(work / "ours-bf16.gguf", peer_bf16)
     print(f"outputs in {work}" if args.keep else "")
+
+
+# Descriptive keys (names, licences, size labels) and bookkeeping that differ by tool without changing inference.
+_DESCRIPTIVE = re.compile(r"^general\.(?!architecture$|alignment$)|^quantize\.|^split\.")
+
+
+def compare_metadata(ours: Path, peer: Path) -> None:
+    """Print every inference-relevant metadata key whose value differs between our GGUF and llama.cpp's."""
+    from quantserve.formats import read_gguf_info
+
+    a, b = read_gguf_info(ours).metadata, read_gguf_info(peer).metadata
+    keys = sorted(k for k in set(a) | set(b) if not _DESCRIPTIVE.match(k))
+    differ = [k for k in keys if a.get(k) != b.get(k)]
+    print(
+        f"\nmetadata: {len(keys)} inference-relevant keys compared (ours bf16 vs convert_hf_to_gguf.py bf16); "
+        f"{len(differ)} differ"
+    )
+    for k in differ:
+        print(f"  {k}: ours={str(a.get(k, '<absent>'))[:80]!s}  llama.cpp={str(b.get(k, '<absent>'))[:80]!s}")
 
 
 if __name__ == "__main__":

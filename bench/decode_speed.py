@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ from tests.conftest import start_server  # noqa: E402  (the same launcher the te
 N_GEN = 128
 
 
-def raw_decode(model: Path, threads: int, runs: int) -> list[float]:
+def raw_decode(model: Path, threads: int, runs: int, flash_attn: int) -> list[float]:
     from quantserve.backends.llamacpp.model import _init_backend
 
     _init_backend()  # routes llama.cpp's log to Python logging (quiet), then llama_backend_init
@@ -36,6 +37,7 @@ def raw_decode(model: Path, threads: int, runs: int) -> list[float]:
     m = lc.llama_model_load_from_file(str(model).encode(), mp)
     cp = lc.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, threads, threads
+    cp.flash_attn_type = flash_attn
     ctx = lc.llama_init_from_model(m, cp)
     vocab = lc.llama_model_get_vocab(m)
     smpl = lc.llama_sampler_init_greedy()
@@ -59,17 +61,28 @@ def raw_decode(model: Path, threads: int, runs: int) -> list[float]:
     return speeds[1:]
 
 
-def llama_bench(model: Path, threads: int) -> float | None:
+def llama_bench(model: Path, threads: int) -> dict[str, float]:
+    """tg128 with flash attention off and on: {"fa=0": tok/s, "fa=1": tok/s}; empty without the binary."""
     exe = ROOT / "bench" / ".build" / "llama-bench"
     if not exe.exists():
-        return None
-    out = subprocess.run(
-        [str(exe), "-m", str(model), "-t", str(threads), "-p", "0", "-n", str(N_GEN), "-o", "json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return float(json.loads(out)[0]["avg_ts"])
+        return {}
+    cmd = [
+        str(exe),
+        "-m",
+        str(model),
+        "-t",
+        str(threads),
+        "-p",
+        "0",
+        "-n",
+        str(N_GEN),
+        "-fa",
+        "0,1",
+        "-o",
+        "json",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return {f"fa={int(bool(r['flash_attn']))}": float(r["avg_ts"]) for r in json.loads(out)}
 
 
 def server_decode(model: Path, threads: int, runs: int, tmp: Path) -> list[float]:
@@ -107,26 +120,27 @@ def main() -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        served = server_decode(model, args.threads, args.runs, Path(tmp))
-    raw = raw_decode(model, args.threads, args.runs)
+        served = statistics.median(server_decode(model, args.threads, args.runs, Path(tmp)))
+    raw = {f"fa={fa}": statistics.median(raw_decode(model, args.threads, args.runs, fa)) for fa in (0, 1)}
     bench = llama_bench(model, args.threads)
-    med_s, med_r = statistics.median(served), statistics.median(raw)
+    best_raw = max([*raw.values(), *bench.values()])
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
     rows = [
-        f"model: {model.name}, threads: {args.threads}, {N_GEN} tokens, median of {args.runs} runs",
-        f"machine: {cpu}, {platform.machine()}, llama-cpp-python {lc.__version__}",
+        f"model: {model.name}, threads: {args.threads}, {N_GEN} generated tokens, median of {args.runs} runs",
+        f"machine: {cpu}, {os.cpu_count()} cores, {platform.machine()}; llama-cpp-python {lc.__version__}",
         "",
-        "| path | decode tok/s | ratio to raw loop |",
-        "|---|---|---|",
-        f"| raw llama_decode loop (llama-cpp-python low-level) | {med_r:.1f} | 1.00 |",
+        "| path | flash attention | decode tok/s | quantserve / this |",
+        "|---|---|---|---|",
     ]
-    if bench is not None:
-        rows.append(f"| llama-bench tg{N_GEN} (native) | {bench:.1f} | {bench / med_r:.2f} |")
-    rows.append(f"| quantserve server, streaming | {med_s:.1f} | {med_s / med_r:.2f} |")
-    if bench is not None:
-        rows.append(f"\nquantserve / llama-bench = {med_s / bench:.3f}")
-    rows.append(f"\nraw runs: {[round(x, 1) for x in raw]}\nserver runs: {[round(x, 1) for x in served]}")
+    for fa, v in raw.items():
+        rows.append(
+            f"| raw llama_decode loop (llama-cpp-python low-level) | {fa} | {v:.1f} | {served / v:.2f} |"
+        )
+    for fa, v in bench.items():
+        rows.append(f"| llama-bench -p 0 -n {N_GEN} (native) | {fa} | {v:.1f} | {served / v:.2f} |")
+    rows.append(f"| **quantserve server**, one streaming client | auto (on) | **{served:.1f}** | 1.00 |")
+    rows.append(f"\nquantserve / fastest raw llama.cpp figure above = **{served / best_raw:.2f}**")
     print("\n".join(rows))
 
 
