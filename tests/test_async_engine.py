@@ -125,3 +125,18 @@ def test_a_failing_backend_fails_the_streams_instead_of_hanging():
         asyncio.run(main())
     finally:
         engine.stop()
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done():
+    from quantserve.server.openai_api import _errors_as_events
+
+    async def chunks():
+        yield b"data: {}\n\n"
+        raise RuntimeError("backend exploded")
+
+    async def main():
+        return [c async for c in _errors_as_events(chunks())]
+
+    out = asyncio.run(main())
+    assert out[0] == b"data: {}\n\n" and b'"error"' in out[1] and b"backend exploded" in out[1]
+    assert out[-1] == b"data: [DONE]\n\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,12 +16,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from quantserve.engine.async_engine import RequestStream
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import SequenceOutput
-from quantserve.errors import InvalidRequestError
+from quantserve.errors import InvalidRequestError, QuantserveError
 from quantserve.llm import LLM
+from quantserve.server.errors import error_body
 from quantserve.server.protocol import ChatCompletionRequest, CompletionRequest, response_format_grammar
 from quantserve.server.state import ServerState
 
 router = APIRouter()
+log = logging.getLogger("quantserve.server")
 
 
 def _dumps(obj) -> str:
@@ -97,6 +100,19 @@ def _start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid
             g.close()  # a later choice was refused (queue full): abort the ones already queued
         raise
     return gens, choices
+
+
+async def _errors_as_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Once a stream has started its status is sent; an engine failure then becomes an OpenAI error object in the
+    stream, followed by [DONE], instead of a connection cut without explanation."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - reported to the client, and logged
+        log.exception("generation failed mid-stream")
+        message = exc.message if isinstance(exc, QuantserveError) else f"{type(exc).__name__}: {exc}"
+        yield _sse(error_body(f"generation failed: {message}", "server_error"))
+        yield b"data: [DONE]\n\n"
 
 
 def _usage(choices: list[_Choice], prompts: list[list[int]]) -> dict:
@@ -235,7 +251,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _errors_as_events(stream()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
     all_lps = await _until_disconnect(request, _collect(state, gens, choices, t0))
@@ -349,7 +365,7 @@ async def completions(body: CompletionRequest, request: Request):
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _errors_as_events(stream()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
 
     all_lps = await _until_disconnect(request, _collect(state, gens, choices, t0))
