@@ -15,10 +15,6 @@ from quantserve.errors import ServerOverloadedError
 
 log = logging.getLogger("quantserve.engine")
 
-import os  # noqa: E402  (temporary A/B switch)
-
-_HANDSHAKE = float(os.environ.get("QS_HANDSHAKE", "0"))
-
 
 @dataclass
 class _Stream:
@@ -130,9 +126,9 @@ class AsyncEngine:
                 continue
             self._num_waiting = len(eng.scheduler.waiting)
             if outputs:
-                self._deliver(outputs, wait=_HANDSHAKE)
+                self._deliver(outputs)
 
-    def _deliver(self, outputs: list, wait: float = 0.0) -> None:
+    def _deliver(self, outputs: list) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
             for out in outputs:
@@ -144,12 +140,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException) or item.finish_reason is not None:
                     del self._streams[rid]
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
-        done = [threading.Event() for _ in by_loop] if wait else []
-        for i, (loop, items) in enumerate(by_loop.items()):
+        for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the loop is closed (server shut down)
-                loop.call_soon_threadsafe(_put_all, items, done[i] if wait else None)
-        for ev in done:
-            ev.wait(wait)
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _drop(self, request_id: str) -> None:
         with self._lock:
@@ -210,10 +203,6 @@ class RequestStream:
         self.close()  # last resort; abort() only enqueues a command, safe from any thread
 
 
-def _put_all(items: list, done: threading.Event | None = None) -> None:
+def _put_all(items: list) -> None:
     for q, item in items:
         q.put_nowait(item)
-    if done is not None:
-        # Queued behind the wake-ups of the tasks reading these queues: by the time it runs they have written
-        # their chunks, so the engine thread knows the event loop is quiet again.
-        asyncio.get_running_loop().call_soon(done.set)
