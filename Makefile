@@ -12,6 +12,11 @@ MODEL ?= smollm2
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
 
+# llama.cpp's own vocab test files (ggml-vocab-*.gguf and their inputs), from the llama-cpp-python sdist on PyPI:
+# the tokenizer tests compare quantserve's tokenizers with them. Best effort: without them those tests skip.
+LLAMA_CPP_PY := llama-cpp-python==0.3.36
+VOCABS := bench/.build/src/vendor/llama.cpp/models/.vocab-extracted
+
 .PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
@@ -29,8 +34,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/quantserve run $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+test: $(STAMP) $(VOCABS)
 	$(BIN)/python -m pytest -q
+
+$(VOCABS):
+	-mkdir -p bench/.build/sdist bench/.build/src && \
+	  $(BIN)/python -m pip download -q --no-deps --no-binary :all: $(LLAMA_CPP_PY) -d bench/.build/sdist && \
+	  tar -xzf bench/.build/sdist/llama_cpp_python-0.3.36.tar.gz -C bench/.build/src --strip-components=1 \
+	    --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*' && touch $@
 
 lint: $(STAMP)
 	$(BIN)/ruff check quantserve kernels converters tests
