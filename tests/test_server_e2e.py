@@ -256,3 +256,15 @@ def test_health_ready_metrics(server, client):
     ):
         assert name in text
     assert 'quantserve_requests_total{route="/v1/chat/completions",status="200"}' in text
+
+
+def test_a_plain_request_with_the_default_sampling_ends_by_itself(client):
+    """The first thing a user sends: no system prompt, no sampling fields. models.toml's defaults for the bundled
+    model (with its repeat penalty) must let the reply end, not loop until the context is full."""
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            seed=seed,
+        )
+        assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 300, r.usage
