@@ -32,11 +32,10 @@ from quantserve.loadgen import (  # noqa: E402
     LoadResult,
     LoadSpec,
     ServerUnreachableError,
-    ratios,
-    render_table,
     run_load,
     wait_ready,
 )
+from quantserve.loadgen_report import ratios, render_table  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
 
 QUANTSERVE, LCPP, NATIVE = "quantserve", "llama-cpp-python", "llama-server"

@@ -14,17 +14,6 @@ from quantserve.errors import ConfigError
 EXIT_UNREACHABLE = 2
 
 
-def _loadgen():
-    # Imported late: httpx is a dev extra, and `quantserve run` must work without it.
-    try:
-        from quantserve import loadgen
-    except ImportError as exc:
-        raise click.ClickException(
-            f"quantserve bench needs httpx ({exc}); install it with: pip install 'quantserve[dev]'"
-        ) from exc
-    return loadgen
-
-
 @click.command("bench")
 @click.option(
     "--url", default="http://127.0.0.1:8000", show_default=True, help="base URL of the server to load"
@@ -103,7 +92,9 @@ def bench(
       quantserve bench --url http://127.0.0.1:8000 --compare http://127.0.0.1:8001 --json out.json
       quantserve bench --prompt-len 1000 --max-tokens 16 -c 4     # prefill-heavy
     """
-    lg = _loadgen()
+    from quantserve import loadgen as lg
+    from quantserve import loadgen_report as report
+
     if prompts_file and prompt_len:
         raise click.UsageError("pass either --prompts or --prompt-len, not both")
 
@@ -154,7 +145,7 @@ def bench(
             )
             results[label].append(asyncio.run(lg.run_load(spec)))
 
-    click.echo(lg.render_table([(label, r) for label, _ in targets for r in results[label]]))
+    click.echo(report.render_table([(label, r) for label, _ in targets for r in results[label]]))
     for label, _ in targets:
         for r in results[label]:
             for err in r.errors:
@@ -162,7 +153,7 @@ def bench(
     if compare_url:
         click.echo("\nours/peer:")
         for a, b in zip(results["ours"], results["peer"], strict=True):
-            click.echo("  " + lg.render_ratio(a, b))
+            click.echo("  " + report.render_ratio(a, b))
 
     if json_path:
         doc = {
@@ -183,7 +174,7 @@ def bench(
                 for r in results[label]
             ],
             "ratios": [
-                {"concurrency": a.concurrency, **lg.ratios(a, b)}
+                {"concurrency": a.concurrency, **report.ratios(a, b)}
                 for a, b in zip(results["ours"], results.get("peer", []), strict=False)
             ],
         }

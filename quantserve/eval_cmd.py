@@ -29,14 +29,21 @@ def _gguf_for(model: str, models_file: str | None) -> Path:
     raise QuantserveError(f"{path} is {spec.format}; eval needs a GGUF or a dense checkpoint for now")
 
 
-def _bar(desc: str):
+def _measure(desc: str, score):
+    """Run `score(progress)` under a progress bar; a user error prints its message and exits 2."""
     bar = tqdm(desc=desc, unit="chunk", leave=False)
 
-    def update(done: int, total: int) -> None:
+    def progress(done: int, total: int) -> None:
         bar.total = total
         bar.update(done - bar.n)
 
-    return bar, update
+    try:
+        return score(progress)
+    except QuantserveError as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        sys.exit(2)
+    finally:
+        bar.close()
 
 
 @click.group("eval")
@@ -68,16 +75,9 @@ def ppl(model: str, text_file: str, n_ctx: int, threads: int, models_file: str |
     """Perplexity of MODEL on --text, comparable with llama.cpp's llama-perplexity."""
     from quantserve.evaluate import perplexity
 
-    try:
-        gguf = _gguf_for(model, models_file)
-        bar, update = _bar("perplexity")
-        r = perplexity(
-            gguf, Path(text_file).read_text(encoding="utf-8"), n_ctx=n_ctx, threads=threads, progress=update
-        )
-        bar.close()
-    except QuantserveError as exc:
-        click.echo(f"error: {exc.message}", err=True)
-        sys.exit(2)
+    text = Path(text_file).read_text(encoding="utf-8")
+    gguf = _measure("converting", lambda _: _gguf_for(model, models_file))
+    r = _measure("perplexity", lambda p: perplexity(gguf, text, n_ctx=n_ctx, threads=threads, progress=p))
     click.echo(
         f"model: {gguf}\nPPL = {r.ppl:.4f}  (mean NLL {r.nll:.5f}; {r.n_chunks} chunks of {r.n_ctx}, "
         f"{r.n_scored} tokens scored)"
@@ -95,16 +95,12 @@ def kl(base: str, model: str, text_file: str, n_ctx: int, threads: int, models_f
     """Mean KL(base || model) and top-1 token agreement over the scored tokens of --text."""
     from quantserve.evaluate import kl_divergence
 
-    try:
-        a, b = _gguf_for(base, models_file), _gguf_for(model, models_file)
-        bar, update = _bar("KL divergence")
-        r = kl_divergence(
-            a, b, Path(text_file).read_text(encoding="utf-8"), n_ctx=n_ctx, threads=threads, progress=update
-        )
-        bar.close()
-    except QuantserveError as exc:
-        click.echo(f"error: {exc.message}", err=True)
-        sys.exit(2)
+    text = Path(text_file).read_text(encoding="utf-8")
+    a = _measure("converting", lambda _: _gguf_for(base, models_file))
+    b = _measure("converting", lambda _: _gguf_for(model, models_file))
+    r = _measure(
+        "KL divergence", lambda p: kl_divergence(a, b, text, n_ctx=n_ctx, threads=threads, progress=p)
+    )
     click.echo(
         f"base:  {a}\nmodel: {b}\nmean KL = {r.mean_kl:.6f} nats, top-1 agreement = "
         f"{100 * r.top1_agreement:.2f}%, PPL base {r.ppl_base:.4f}, PPL model {r.ppl_model:.4f} "

@@ -113,3 +113,11 @@ def test_convert_check_prints_the_quality_table(smollm2_hf, tmp_path):
     cells = [c.strip() for c in rows[1].strip("|").split("|")]
     ppl_delta, kl, top1 = float(cells[5].rstrip(" %")), float(cells[6]), float(cells[7].rstrip(" %"))
     assert kl < 0.02 and top1 > 95 and abs(ppl_delta) < 3  # q8_0 of a model is nearly lossless
+
+
+def test_eval_ppl_with_too_short_a_text_exits_2_and_says_why(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    r = _cli("eval", "ppl", "smollm2", "--text", str(short))
+    assert r.returncode == 2
+    assert "needs at least 1024" in r.stderr

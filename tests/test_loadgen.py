@@ -22,14 +22,12 @@ from quantserve.loadgen import (
     ServerUnreachableError,
     load_prompts,
     percentile,
-    ratios,
-    render_ratio,
-    render_table,
     run_load,
     summarize,
     synthetic_prompts,
     wait_ready,
 )
+from quantserve.loadgen_report import ratios, render_ratio, render_table
 from tests.conftest import free_port
 
 TOKEN_DELAY_S = 0.002
