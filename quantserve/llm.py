@@ -17,9 +17,7 @@ from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.scheduler import SchedulerConfig
 from quantserve.engine.sequence import Sequence
 from quantserve.errors import (
-    BackendUnavailableError,
     ChatTemplateError,
-    ConfigError,
     ContextLengthExceededError,
     EmbeddingsUnsupportedError,
     InvalidRequestError,
@@ -64,14 +62,14 @@ class LLM:
         self.runner = runner
         self.settings = settings
         self.chat_template = chat_template
-        self.info = info  # GGUFInfo of the served file
+        self.info = info  # ModelInfo: architecture, size, format, backend
         self.n_ctx = runner.n_ctx
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
             num_kv_cells=runner.n_kv_cells,
             max_queue_len=settings.max_queue_len,
-            prefix_caching=settings.prefix_cache,
+            prefix_caching=settings.prefix_cache and runner.supports_prefix_cache,
             shared_kv=runner.kv_unified,
         )
         self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
@@ -79,87 +77,32 @@ class LLM:
 
     @classmethod
     def load(cls, model: ResolvedModel, settings: EngineSettings) -> LLM:
-        """Detect the format, validate the file, and start the right backend.
+        """Detect the format, validate the files, pick a backend and start it.
 
         Raises:
-            ModelFileError: the file is malformed or truncated (validated before llama.cpp sees it).
+            ModelFileError: the file is malformed or truncated (validated before any C code sees it).
             BackendUnavailableError: the format needs a backend that is not available here.
         """
-        from quantserve.formats import detect, read_gguf_info
+        from quantserve.backends.select import load_backend
+        from quantserve.formats import detect
 
         spec = detect(model.path)
         backend = settings.backend if settings.backend != "auto" else model.entry.backend
-        quant = settings.quant or model.entry.quant or None
-        if backend not in ("auto", "llamacpp"):
-            raise BackendUnavailableError(
-                f"backend {backend!r} is not available in this build; use --backend llamacpp (or auto)"
-            )
-        keep_alive = None
-        if spec.format == "safetensors":
-            from quantserve.insitu import ensure_gguf
-
-            log.info(
-                "backend llamacpp: %s is a dense %s checkpoint; llama.cpp serves it after conversion to GGUF (%s)",
-                model.path,
-                spec.quant.get("dtype", "?"),
-                quant or "same precision",
-            )
-            gguf_file, keep_alive = ensure_gguf(
-                spec, quant, cache_dir=settings.cache_dir, use_cache=settings.use_cache
-            )
-            spec = detect(gguf_file)
-        elif spec.format != "gguf":
-            raise BackendUnavailableError(
-                f"{model.path} is a {spec.format} checkpoint; serving it needs the torch backend, which this build "
-                "does not have yet. Serve a GGUF or a dense fp16/bf16 checkpoint instead "
-                "(`quantserve inspect` shows what was detected)"
-            )
-        elif quant and quant.lower() != str(spec.quant.get("file_type", "")).lower():
-            raise ConfigError(
-                f"{model.path} is already a {spec.quant.get('file_type')} GGUF; --quant {quant} applies to dense "
-                "checkpoints. Requantize offline with `quantserve convert`, or drop --quant",
-                param="quant",
-            )
-        from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
-
-        gguf_path = spec.files[0]
-        info = read_gguf_info(gguf_path)
-        for part in spec.files[1:]:
-            read_gguf_info(part)
-        log.info(
-            "backend llamacpp: %s is GGUF (%s, %s); llama.cpp serves GGUF directly",
-            gguf_path.name,
-            info.architecture,
-            spec.quant.get("file_type", "?"),
-        )
-        runner = LlamaCppRunner(
-            gguf_path,
-            LlamaCppSettings(
-                n_ctx=settings.ctx_size or model.entry.ctx_size,
-                kv_unified=settings.kv_unified,
-                n_kv_cells=settings.kv_size,
-                max_num_seqs=settings.max_num_seqs,
-                n_batch=settings.n_batch,
-                n_threads=settings.threads,
-                n_gpu_layers=settings.n_gpu_layers,
-                cache_type_k=settings.cache_type_k,
-                cache_type_v=settings.cache_type_v,
-                flash_attn={"auto": None, "on": True, "off": False}[settings.flash_attn],
-            ),
-            n_ctx_train=info.context_length,
-        )
-        bos, eos = runner.special_text(runner.bos_token), runner.special_text(runner.eos_token)
+        loaded = load_backend(backend, spec, settings, model.entry)
         template_file = settings.chat_template or model.entry.chat_template
+        bos, eos = loaded.bos_token, loaded.eos_token
         if template_file:
             template = ChatTemplate.from_file(template_file, bos_token=bos, eos_token=eos)
-        elif info.chat_template:
-            template = ChatTemplate(info.chat_template, bos_token=bos, eos_token=eos, origin=str(gguf_path))
+        elif loaded.chat_template:
+            template = ChatTemplate(
+                loaded.chat_template, bos_token=bos, eos_token=eos, origin=loaded.template_origin
+            )
         else:
             template = None
         defaults = {**model.entry.sampling, **settings.sampling_defaults}
         merged = EngineSettings(**{**settings.__dict__, "sampling_defaults": defaults})
-        llm = cls(model.name, runner, merged, template, info)
-        llm._keep_alive = keep_alive  # a temporary conversion lives as long as the model
+        llm = cls(model.name, loaded.runner, merged, template, loaded.info)
+        llm._keep_alive = loaded.keep_alive  # a temporary conversion lives as long as the model
         return llm
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -223,11 +166,7 @@ class LLM:
             detokenizer=IncrementalDetokenizer(params.stop),
             max_total_tokens=self.n_ctx,
         )
-        if params.grammar is not None:
-            # Compile the grammar now so a bad one is a 400 for this request, not a failure inside the engine.
-            from quantserve.backends.llamacpp.sampler import SamplerChain
-
-            SamplerChain(self.runner.vocab, self.runner.n_vocab, params).close()
+        self.runner.check_params(params)
         return self.engine.generate(seq)
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:

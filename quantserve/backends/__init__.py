@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import SampledToken, Sequence
 
 
@@ -16,6 +18,15 @@ class ModelRunner(Protocol):
 
     n_ctx: int  # longest sequence (prompt + output) the runner accepts
     n_vocab: int
+    n_kv_cells: int  # KV capacity of all sequences together, in tokens
+    kv_unified: bool  # one pool for all sequences (else n_kv_cells / max_num_seqs each)
+    supports_prefix_cache: bool  # free slots may keep their KV for the next request's shared prefix
+
+    def adds_bos(self) -> bool: ...
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError now if this backend cannot honour `params` (e.g. a grammar)."""
+        ...
 
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
 
@@ -41,3 +52,26 @@ class ModelRunner(Protocol):
         """`seq` was admitted to slot seq.seq_id with its first seq.num_computed tokens already cached there;
         drop the slot's KV past them."""
         ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What /v1/models and the logs say about the served model."""
+
+    architecture: str
+    n_params: int
+    format: str  # the served weights: gguf, gptq, awq, marlin, compressed-tensors, safetensors
+    backend: str  # llamacpp | torch
+
+
+@dataclass
+class LoadedModel:
+    """What a backend's loader hands to quantserve.llm.LLM."""
+
+    runner: Any  # a ModelRunner
+    info: ModelInfo
+    chat_template: str | None  # the model's own template source, if it has one
+    template_origin: str
+    bos_token: str
+    eos_token: str
+    keep_alive: Any = None  # e.g. a temporary conversion directory, released with the model

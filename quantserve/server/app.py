@@ -117,7 +117,8 @@ def create_app(
             "meta": {
                 "architecture": info.architecture,
                 "n_params": info.n_params,
-                "format": "gguf",
+                "format": info.format,
+                "backend": info.backend,
                 "has_chat_template": llm_.chat_template is not None,
             },
         }

@@ -178,6 +178,13 @@ class LlamaCppRunner:
     def adds_bos(self) -> bool:
         return bool(lc.llama_vocab_get_add_bos(self.vocab))
 
+    supports_prefix_cache = True
+
+    def check_params(self, params) -> None:
+        if params.grammar is not None:
+            # Compile the grammar now so a bad one is a 400 for this request, not a failure inside the engine.
+            SamplerChain(self.vocab, self.n_vocab, params).close()
+
     # ---- execution ----------------------------------------------------------------------------
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:

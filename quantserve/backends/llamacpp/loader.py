@@ -1,0 +1,80 @@
+"""Start the llama.cpp backend for a detected model: a GGUF as is, a dense checkpoint after in-situ conversion."""
+
+from __future__ import annotations
+
+import logging
+
+from quantserve.backends import LoadedModel, ModelInfo
+from quantserve.errors import BackendUnavailableError, ConfigError
+from quantserve.formats import ModelSpec, detect, read_gguf_info
+
+log = logging.getLogger("quantserve")
+
+
+def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
+    """`settings` is quantserve.llm.EngineSettings, `entry` the models.toml entry (defaults)."""
+    quant = settings.quant or entry.quant or None
+    keep_alive = None
+    if spec.format == "safetensors":
+        from quantserve.insitu import ensure_gguf
+
+        log.info(
+            "backend llamacpp: %s is a dense %s checkpoint; llama.cpp serves it after conversion to GGUF (%s)",
+            spec.path,
+            spec.quant.get("dtype", "?"),
+            quant or "same precision",
+        )
+        gguf_file, keep_alive = ensure_gguf(
+            spec, quant, cache_dir=settings.cache_dir, use_cache=settings.use_cache
+        )
+        spec = detect(gguf_file)
+    elif spec.format != "gguf":
+        raise BackendUnavailableError(
+            f"{spec.path} is a {spec.format} checkpoint, which llama.cpp cannot read; serve it with "
+            "--backend torch (or --backend auto)"
+        )
+    elif quant and quant.lower() != str(spec.quant.get("file_type", "")).lower():
+        raise ConfigError(
+            f"{spec.path} is already a {spec.quant.get('file_type')} GGUF; --quant {quant} applies to dense "
+            "checkpoints. Requantize offline with `quantserve convert`, or drop --quant",
+            param="quant",
+        )
+    from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+
+    gguf_path = spec.files[0]
+    info = read_gguf_info(gguf_path)
+    for part in spec.files[1:]:
+        read_gguf_info(part)
+    log.info(
+        "backend llamacpp: %s is GGUF (%s, %s); llama.cpp serves GGUF directly",
+        gguf_path.name,
+        info.architecture,
+        spec.quant.get("file_type", "?"),
+    )
+    runner = LlamaCppRunner(
+        gguf_path,
+        LlamaCppSettings(
+            n_ctx=settings.ctx_size or entry.ctx_size,
+            kv_unified=settings.kv_unified,
+            n_kv_cells=settings.kv_size,
+            max_num_seqs=settings.max_num_seqs,
+            n_batch=settings.n_batch,
+            n_threads=settings.threads,
+            n_gpu_layers=settings.n_gpu_layers,
+            cache_type_k=settings.cache_type_k,
+            cache_type_v=settings.cache_type_v,
+            flash_attn={"auto": None, "on": True, "off": False}[settings.flash_attn],
+        ),
+        n_ctx_train=info.context_length,
+    )
+    return LoadedModel(
+        runner=runner,
+        info=ModelInfo(
+            architecture=info.architecture, n_params=info.n_params, format="gguf", backend="llamacpp"
+        ),
+        chat_template=info.chat_template,
+        template_origin=str(gguf_path),
+        bos_token=runner.special_text(runner.bos_token),
+        eos_token=runner.special_text(runner.eos_token),
+        keep_alive=keep_alive,
+    )

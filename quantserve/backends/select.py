@@ -1,0 +1,64 @@
+"""Which backend serves a model: the one asked for, or `auto` from the weights' format and the hardware.
+
+The choice and its reason are logged, so a user can see why a model runs where it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from quantserve.backends import LoadedModel
+from quantserve.errors import BackendUnavailableError
+from quantserve.formats import ModelSpec
+
+log = logging.getLogger("quantserve")
+
+# name -> "module:function" taking (spec, EngineSettings, models.toml entry) and returning a LoadedModel.
+# Imported on use: the llama.cpp path never pays for importing torch, and vice versa.
+BACKENDS = {
+    "llamacpp": "quantserve.backends.llamacpp.loader:load_llamacpp",
+    "torch": "quantserve.backends.torch.loader:load_torch",
+}
+QUANTIZED_HF = ("gptq", "awq", "marlin", "compressed-tensors")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def choose_backend(spec: ModelSpec, requested: str) -> tuple[str, str]:
+    """(backend, reason). Raises BackendUnavailableError for an unknown name."""
+    if requested != "auto":
+        if requested not in BACKENDS:
+            raise BackendUnavailableError(
+                f"unknown backend {requested!r}; choose one of auto, {', '.join(BACKENDS)}"
+            )
+        return requested, "asked for"
+    if spec.format == "gguf":
+        return "llamacpp", "GGUF is llama.cpp's own format"
+    if _cuda():
+        what = (
+            "fp16/bf16 weights" if spec.format == "safetensors" else f"{spec.format} weights (Marlin W4A16)"
+        )
+        return "torch", f"{what} and a CUDA GPU"
+    if spec.format == "safetensors":
+        return (
+            "llamacpp",
+            "no CUDA GPU: llama.cpp serves dense weights fastest on CPU, after conversion to GGUF",
+        )
+    return (
+        "torch",
+        f"no CUDA GPU, and llama.cpp cannot read {spec.format}: the torch backend's CPU path (slow)",
+    )
+
+
+def load_backend(requested: str, spec: ModelSpec, settings, entry) -> LoadedModel:
+    name, reason = choose_backend(spec, requested)
+    log.info("backend %s for %s: %s", name, spec.path, reason)
+    module, func = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), func)(spec, settings, entry)

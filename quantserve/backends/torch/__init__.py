@@ -1,0 +1,1 @@
+"""The torch backend: our own Llama-family model, W4A16 kernels, paged KV cache."""
