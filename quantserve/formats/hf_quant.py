@@ -49,7 +49,8 @@ def fingerprint(prefix: str, t: Tensors) -> str:
         return x if x is not None and len(x.shape) == 2 else None
 
     if (b := get("B")) is not None and (s := get("s")) is not None:
-        return "marlin" if b.shape[1] == 2 * s.shape[1] else "unknown"
+        # B is [K/16, N*bits/2]: 2N for 4-bit, 4N for 8-bit (vLLM's gptq_marlin layout, FORMATS §3.2)
+        return "marlin" if b.shape[1] in (2 * s.shape[1], 4 * s.shape[1]) else "unknown"
     if f"{prefix}.weight_packed" in t:
         return "compressed-tensors"
     qw, sc, qz = get("qweight"), get("scales"), t.get(f"{prefix}.qzeros")
@@ -178,13 +179,18 @@ def parse_gptq(qc: dict[str, Any], where: str, t: Tensors) -> tuple[str, dict[st
 @register("marlin")
 def parse_marlin(qc: dict[str, Any], where: str, t: Tensors) -> tuple[str, dict[str, Any]]:
     bits, group = _int(qc, ("bits", "w_bit"), 4, where), _int(qc, ("group_size", "q_group_size"), 128, where)
-    if bits != 4 or group not in (-1, 128):
+    # IST-DASLab/AutoGPTQ Marlin is 4-bit, groups 128/-1; vLLM's layout (which quantserve writes) adds 8-bit and
+    # groups 32/64.
+    if bits not in (4, 8) or group not in (-1, 32, 64, 128):
         raise UnsupportedFormatError(
-            f"{where}: Marlin checkpoints are 4-bit with group_size 128 or -1, got bits {bits} group_size {group}"
+            f"{where}: Marlin checkpoints are 4- or 8-bit with group_size 32, 64, 128 or -1, got bits {bits} "
+            f"group_size {group}"
         )
     for prefix in _layers(t, "B", "marlin", where):
         _expect(prefix, t, "marlin", "marlin", where)
         b, s = t[prefix + ".B"], t[prefix + ".s"]
+        if b.shape[1] * 2 != s.shape[1] * bits:
+            raise _mismatch(where, "bits", bits, prefix, t, f"{2 * b.shape[1] // s.shape[1]}-bit")
         if s.shape[0] != _n_groups(16 * b.shape[0], group):
             raise _mismatch(
                 where, "group_size", group, prefix, t, f"{s.shape[0]} groups over K = {16 * b.shape[0]}"
@@ -273,8 +279,12 @@ def parse_compressed_tensors(qc: dict[str, Any], where: str, t: Tensors) -> tupl
         if not quant["symmetric"] and prefix + ".weight_zero_point" not in t:
             raise _mismatch(where, "symmetric", False, prefix, t, "a symmetric layer (no weight_zero_point)")
         if len(schemes) == 1 and quant["strategy"] == "group" and isinstance(group, int) and group > 0:
-            k_max = packed.shape[1] * 32 // bits  # K rounded up to whole words
-            lo, hi = _n_groups(max(k_max - 32 // bits + 1, 1), group), _n_groups(k_max, group)
+            # K lies in the range the packed width allows, under either packing rule of §5.2 (whole values per
+            # word before compressed-tensors 0.18, a dense bitstream after; the same for 1/2/4/8 bits).
+            cols, pf = packed.shape[1], 32 // bits
+            k_max = max(cols * 32 // bits, cols * pf)
+            k_min = min((cols - 1) * 32 // bits + 1, (cols - 1) * pf + 1)
+            lo, hi = _n_groups(max(k_min, 1), group), _n_groups(k_max, group)
             if not lo <= scale.shape[1] <= hi:
                 raise _mismatch(where, "num_bits/group_size", f"{bits}/{group}", prefix, t, f"K ≈ {k_max}")
     return "compressed-tensors", quant
