@@ -26,7 +26,23 @@ def _gguf_for(model: str, models_file: str | None) -> Path:
         from quantserve.insitu import ensure_gguf
 
         return ensure_gguf(spec, None, cache_dir=None, use_cache=True)[0]
-    raise QuantserveError(f"{path} is {spec.format}; eval needs a GGUF or a dense checkpoint for now")
+    if spec.format in ("gptq", "awq", "marlin", "compressed-tensors"):
+        # Scored by the same llama.cpp code as every GGUF: the exact dequantized weights, as an f32 GGUF.
+        import tempfile
+
+        from quantserve.converters.dequantize import dequantize_checkpoint
+        from quantserve.insitu import ensure_gguf
+
+        tmp = tempfile.TemporaryDirectory(prefix="quantserve-eval-")
+        _KEEP.append(tmp)
+        dense = dequantize_checkpoint(path, Path(tmp.name) / "dense", dtype="float32")
+        gguf, handle = ensure_gguf(detect(dense), "f32", cache_dir=None, use_cache=False)
+        _KEEP.append(handle)
+        return gguf
+    raise QuantserveError(f"{path} is {spec.format}; eval reads GGUF, dense and GPTQ/AWQ/Marlin checkpoints")
+
+
+_KEEP: list = []  # temporary conversions, alive until the process ends
 
 
 def _measure(desc: str, score):

@@ -71,6 +71,7 @@ class LLM:
             max_queue_len=settings.max_queue_len,
             prefix_caching=settings.prefix_cache and runner.supports_prefix_cache,
             shared_kv=runner.kv_unified,
+            kv_block_size=runner.kv_block_size,
         )
         self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()

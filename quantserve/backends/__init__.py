@@ -21,6 +21,7 @@ class ModelRunner(Protocol):
     n_kv_cells: int  # KV capacity of all sequences together, in tokens
     kv_unified: bool  # one pool for all sequences (else n_kv_cells / max_num_seqs each)
     supports_prefix_cache: bool  # free slots may keep their KV for the next request's shared prefix
+    kv_block_size: int  # KV is allocated in blocks of this many tokens (1: per token)
 
     def adds_bos(self) -> bool: ...
 

@@ -24,6 +24,9 @@ class SchedulerConfig:
     # One pool of cells for all slots (llama.cpp's unified KV): cached slots take cells from it and are evicted,
     # oldest first, when running sequences need them. Without it every slot owns num_kv_cells / max_num_seqs.
     shared_kv: bool = True
+    # KV is handed out in blocks of this many tokens (the torch backend's paged cache); a sequence holding n tokens
+    # uses ceil(n / kv_block_size) blocks. 1 for llama.cpp, whose cells are single tokens.
+    kv_block_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _cells(self, n_tokens: int) -> int:
+        """KV cells a sequence of n_tokens holds: whole blocks."""
+        bs = self.config.kv_block_size
+        return -(-n_tokens // bs) * bs
+
     @property
     def num_kv_used(self) -> int:
-        return sum(s.num_computed for s in self.running)
+        return sum(self._cells(s.num_computed) for s in self.running)
 
     @property
     def num_kv_cached(self) -> int:
@@ -86,8 +94,8 @@ class Scheduler:
         preempted: list[Sequence] = []
         evicted: list[int] = []
         # Room for one more token per running sequence: evict cached prefixes first, then preempt the newest.
-        self._evict(len(self.running), evicted)
-        while self.running and self._kv_free() < len(self.running):
+        self._evict(self._decode_need(), evicted)
+        while self.running and self._kv_free() < self._decode_need():
             preempted.append(self._preempt(self.running[-1]))
         budget = cfg.max_num_batched_tokens
         kv_free = self._kv_free()
@@ -96,19 +104,20 @@ class Scheduler:
             if seq.num_uncomputed == 1 and budget > 0:
                 plan.append((seq, 1))
                 budget -= 1
-                kv_free -= 1
+                kv_free -= self._growth(seq, 1)
         for seq in self.running:
-            if seq.num_uncomputed > 1 and budget > 0 and kv_free > 0:
-                n = min(seq.num_uncomputed, budget, kv_free)
-                plan.append((seq, n))
-                budget -= n
-                kv_free -= n
+            if seq.num_uncomputed > 1 and budget > 0:
+                n = min(seq.num_uncomputed, budget, self._fits(seq, kv_free))
+                if n > 0:
+                    plan.append((seq, n))
+                    budget -= n
+                    kv_free -= self._growth(seq, n)
         # Admit while slots, budget and KV remain; only if the whole prompt fits, so prefills do not thrash.
         admitted: list[Sequence] = []
         while self.waiting and self._free_slots and budget > 0:
             seq = self.waiting[0]
             slot, n_cached = self._pick_slot(seq)
-            need = len(seq.tokens) - n_cached
+            need = self._cells(len(seq.tokens)) - self._cells(n_cached)
             # Cells free once every other cached slot is evicted and this one is trimmed to the shared prefix.
             slot_cached = len(self.slot_tokens.get(slot, [])) if cfg.shared_kv else 0
             others = self.num_kv_cached - slot_cached if cfg.shared_kv else 0
@@ -121,12 +130,25 @@ class Scheduler:
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget, kv_free)
+            n = min(seq.num_uncomputed, budget, self._fits(seq, kv_free))
             if n > 0:
                 plan.append((seq, n))
                 budget -= n
-                kv_free -= n
+                kv_free -= self._growth(seq, n)
         return Schedule(plan, preempted, admitted, evicted)
+
+    def _growth(self, seq: Sequence, n: int) -> int:
+        """Cells `seq` takes on by computing n more tokens."""
+        return self._cells(seq.num_computed + n) - self._cells(seq.num_computed)
+
+    def _fits(self, seq: Sequence, kv_free: int) -> int:
+        """How many more tokens of `seq` fit in kv_free cells (its last block's spare room included)."""
+        bs = self.config.kv_block_size
+        return max(self._cells(seq.num_computed) + kv_free // bs * bs - seq.num_computed, 0)
+
+    def _decode_need(self) -> int:
+        """Cells every running sequence needs to advance by one token."""
+        return sum(self._growth(s, 1) for s in self.running)
 
     def _pick_slot(self, seq: Sequence) -> tuple[int, int]:
         """The free slot whose cached tokens share the longest prefix with `seq`, and how many tokens it can reuse

@@ -179,6 +179,7 @@ class LlamaCppRunner:
         return bool(lc.llama_vocab_get_add_bos(self.vocab))
 
     supports_prefix_cache = True
+    kv_block_size = 1  # llama.cpp's KV cells are single tokens
 
     def check_params(self, params) -> None:
         if params.grammar is not None:

@@ -1,0 +1,532 @@
+"""Triton W4A16 kernels that read vLLM's Marlin layout directly: fused GEMM / split-K GEMV, and dequantize.
+
+Layout inversion (FORMATS §3.1 closed form, §3.2 for 8-bit; vLLM gptq_marlin_repack.cu). One k-tile row of
+`qweight` holds, per 64-column tile, 32*bits words; word j of 4-bit tile `nt` is `128 nt + 16 l8 + 4 l4 + w`
+(lane = 4 l8 + l4, warp w) and its slot p = 4 p2 + 2 p1 + p0 holds Q[16t + 2 l4 + 8 p0 + p2, 64 nt + 16 w + l8 +
+8 p1]. For 8-bit, word `256 nt + 32 l8 + 8 l4 + 2 w + h`, slot s = 2 s1 + s0 holds Q[16t + 2 l4 + 8 s0 + s1,
+64 nt + 16 w + l8 + 8 h]. So the kernels load a word tile with rows (t, l4) and columns (nt, l8, w[, h]) with
+plain strided loads, and each of the 4 "k slot pairs" (p0, p2) / (s0, s1) is a [BLOCK_K/4, BLOCK_N] sub-tile
+whose rows are k indices and whose columns are n indices. Neither axis needs to be contiguous: the dot product
+gathers the matching activation columns (which also applies act-order's perm for free) and the epilogue
+stores each accumulator column at its own n. No shuffles, no precomputed tables.
+
+The kernels call only Triton builtins, not tl.sum / tl.zeros / tl.cdiv / tl.interleave, which are themselves
+@triton.jit functions wrapped when triton is imported: Triton's interpreter cannot call those if triton was
+imported before TRITON_INTERPRET=1 was set, and calling them interpreted leaves triton.language patched for any
+later GPU compile in the process. (The FMA path's tl.reduce gets triton's own _sum_combine, which the
+interpreter recognises and maps to numpy.sum without calling it.) So both orders work.
+
+Dequantization is exact: `(q | 0x4B000000)` read as fp32 is 2^23 + q, so `- (2^23 + zero)` gives q - zero in
+one subtract, and the scale is applied after the dot product whenever a K block lies in one group (scales
+then multiply BLOCK_M x BLOCK_N accumulators instead of BLOCK_K x BLOCK_N weights, and the dot sees small
+exact integers, which keeps bf16 accurate). Accumulation is fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .marlin import MarlinWeight
+
+# triton.language, bound by _jit_kernels() on first use: importing this module never imports triton.
+tl: Any = None
+
+
+def _w4a16_gemm(
+    x_ptr, qw_ptr, s_ptr, zp_ptr, gidx_ptr, perm_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_om, stride_qw, group_size, blocks_per_split,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_GIDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GROUP_MODE: tl.constexpr, SCALE_SINGLE: tl.constexpr, USE_DOT: tl.constexpr,
+    W_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PARTIAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[M, N] = x[M, K] @ W; program (m, n, split) covers BLOCK_M x BLOCK_N and a slice of K blocks.
+
+    PARTIAL: out is an fp32 workspace [split, M, N] and each split stores its own partial sum (_splitk_sum adds
+    them up and the bias): no zero-fill, no atomics, the same bits on every run.
+
+    GROUP_MODE 0: one group (per-channel), scale after the K loop; 1: every K block inside one group, scale
+    per block; 2: scales gathered per (k, n) (act-order with uneven groups, or group < BLOCK_K).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    r = tl.arange(0, BLOCK_K // 4)  # word-tile row = (t, l4)
+    t = r // 4
+    l4 = r % 4
+    c = tl.arange(0, BLOCK_N * BITS // 8)  # word-tile column = (nt, l8, w[, h])
+    if BITS == 4:
+        wcol = (c // 32) * 128 + ((c // 4) % 8) * 16 + c % 4
+    else:
+        wcol = (c // 64) * 256 + ((c // 8) % 8) * 32 + ((c // 2) % 4) * 2 + c % 2
+    wcol += pid_n * (BLOCK_N // 64) * (32 * BITS)
+    # Runs of BITS words (w[, h]) are contiguous and aligned: 16/32-byte loads (cp.async.cg 16 on sm90).
+    wcol = tl.max_contiguous(tl.multiple_of(wcol, BITS), BITS)
+    c_mask = pid_n * (BLOCK_N // 64) + c // (8 * BITS) < N // 64
+    j = tl.arange(0, BLOCK_N)  # accumulator column; 4-bit words are interleaved twice (p1 = j % 2)
+    if BITS == 4:
+        cw = j // 2
+        n = pid_n * BLOCK_N + (cw // 32) * 64 + (cw % 4) * 16 + (cw // 4) % 8 + (j % 2) * 8
+        col_shift = (j % 2) * 8
+    else:
+        n = pid_n * BLOCK_N + (j // 64) * 64 + ((j // 2) % 4) * 16 + (j // 8) % 8 + (j % 2) * 8
+        col_shift = j * 0
+    n_mask = n < N
+    # Inverse of marlin_permute_scales (8x8 transpose per 64, or scale_perm_single per 32).
+    if SCALE_SINGLE:
+        spos = (n // 32) * 32 + ((n % 8) // 2) * 8 + ((n % 32) // 8) * 2 + n % 2
+    else:
+        spos = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+    # Inverse of marlin_zero_points: the 64-chunk transpose, then the dequantizer interleave, then packing.
+    zq = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+    if BITS == 4:
+        zword = zq // 8
+        zshift = (4 * (zq % 2) + (zq % 8) // 2) * 4
+    else:
+        zword = zq // 4
+        zshift = (2 * (zq % 2) + (zq % 4) // 2) * 8
+    zp_stride = N * BITS // 32
+    if GROUP_MODE == 0:
+        s_row = tl.load(s_ptr + spos, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            z_row = tl.load(zp_ptr + zword, mask=n_mask, other=0)
+            z_row = ((z_row >> zshift) & ((1 << BITS) - 1)).to(tl.float32) + 8388608.0
+        else:
+            z_row = tl.full([BLOCK_N], 8388608.0 + (1 << (BITS - 1)), tl.float32)
+
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    kb_lo = pid_k * blocks_per_split
+    kb_hi = tl.minimum(kb_lo + blocks_per_split, (K + BLOCK_K - 1) // BLOCK_K)
+    for kb in range(kb_lo, kb_hi):
+        kt = kb * (BLOCK_K // 16) + t
+        r_mask = kt < K // 16
+        wptr = qw_ptr + (kt * stride_qw + l4 * BITS)[:, None] + wcol[None, :]
+        words = tl.load(wptr, mask=r_mask[:, None] & c_mask[None, :], other=0)
+        if BITS == 4:
+            # Interleave every word with itself: its slot pairs p1 = 0 / 1 feed columns n and n + 8.
+            words = tl.reshape(tl.join(words, words), [BLOCK_K // 4, BLOCK_N])
+        if GROUP_MODE == 1:
+            g = (kb * BLOCK_K) // group_size
+            s_row = tl.load(s_ptr + g * N + spos, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_ZP:
+                z_row = tl.load(zp_ptr + g * zp_stride + zword, mask=n_mask, other=0)
+                z_row = ((z_row >> zshift) & ((1 << BITS) - 1)).to(tl.float32) + 8388608.0
+            else:
+                z_row = tl.full([BLOCK_N], 8388608.0 + (1 << (BITS - 1)), tl.float32)
+            part = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+        else:
+            part = acc
+        for kq in tl.static_range(4):
+            kk = kt * 16 + l4 * 2 + (kq // 2) * 8 + kq % 2  # packed row of this slot pair, [BLOCK_K/4]
+            kx = tl.load(perm_ptr + kk, mask=r_mask, other=0) if HAS_PERM else kk
+            xs = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + kx[None, :],
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            q = (words >> ((kq // 2) * BITS + (kq % 2) * 16 + col_shift[None, :])) & ((1 << BITS) - 1)
+            wf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q, exactly
+            if GROUP_MODE == 2:
+                g2 = tl.load(gidx_ptr + kk, mask=r_mask, other=0) if HAS_GIDX else kk // group_size
+                gmask = r_mask[:, None] & n_mask[None, :]
+                s2 = tl.load(s_ptr + g2[:, None] * N + spos[None, :], mask=gmask, other=0.0).to(tl.float32)
+                if HAS_ZP:
+                    z2 = tl.load(zp_ptr + g2[:, None] * zp_stride + zword[None, :], mask=gmask, other=0)
+                    z2 = ((z2 >> zshift[None, :]) & ((1 << BITS) - 1)).to(tl.float32) + 8388608.0
+                    b = (wf - z2) * s2
+                else:
+                    b = (wf - (8388608.0 + (1 << (BITS - 1)))) * s2
+            else:
+                b = wf - z_row[None, :]  # q - zero, a small exact integer in any float type
+            if USE_DOT:
+                if W_FP32:
+                    xs = xs.to(tl.float32)
+                part = tl.dot(xs, b.to(xs.dtype), part, input_precision=DOT_PRECISION)
+            else:  # tiny M: CUDA-core FMAs, no tensor-core operand shuffles
+                part += tl.reduce(xs.to(tl.float32)[:, :, None] * b[None, :, :], 1, tl.standard._sum_combine)
+        if GROUP_MODE == 1:
+            acc += part * s_row[None, :]
+        else:
+            acc = part
+    if GROUP_MODE == 0:
+        acc = acc * s_row[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    optrs = out_ptr + offs_m[:, None] * stride_om + n[None, :]
+    if PARTIAL:
+        optrs += pid_k * (M * N)
+    tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _splitk_sum(ws_ptr, bias_ptr, out_ptr, MN, N, split, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[M, N] = sum over splits of ws[split, M, N] (+ bias), in fixed order, cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for i in range(1, split):
+        acc += tl.load(ws_ptr + i * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _marlin_dequant(
+    qw_ptr, s_ptr, zp_ptr, gidx_ptr, perm_ptr, w_ptr, N, K, stride_qw, group_size,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_PERM: tl.constexpr, HAS_GIDX: tl.constexpr,
+    SCALE_SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """w[K, N] = dense weight in natural row order (row perm[k] for packed row k): same index maths as the GEMM."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    r = tl.arange(0, BLOCK_K // 4)
+    t = r // 4
+    l4 = r % 4
+    c = tl.arange(0, BLOCK_N * BITS // 8)
+    if BITS == 4:
+        wcol = (c // 32) * 128 + ((c // 4) % 8) * 16 + c % 4
+    else:
+        wcol = (c // 64) * 256 + ((c // 8) % 8) * 32 + ((c // 2) % 4) * 2 + c % 2
+    wcol += pid_n * (BLOCK_N // 64) * (32 * BITS)
+    # Runs of BITS words (w[, h]) are contiguous and aligned: 16/32-byte loads (cp.async.cg 16 on sm90).
+    wcol = tl.max_contiguous(tl.multiple_of(wcol, BITS), BITS)
+    c_mask = pid_n * (BLOCK_N // 64) + c // (8 * BITS) < N // 64
+    j = tl.arange(0, BLOCK_N)
+    if BITS == 4:
+        cw = j // 2
+        n = pid_n * BLOCK_N + (cw // 32) * 64 + (cw % 4) * 16 + (cw // 4) % 8 + (j % 2) * 8
+        col_shift = (j % 2) * 8
+    else:
+        n = pid_n * BLOCK_N + (j // 64) * 64 + ((j // 2) % 4) * 16 + (j // 8) % 8 + (j % 2) * 8
+        col_shift = j * 0
+    n_mask = n < N
+    if SCALE_SINGLE:
+        spos = (n // 32) * 32 + ((n % 8) // 2) * 8 + ((n % 32) // 8) * 2 + n % 2
+    else:
+        spos = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+    zq = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+    if BITS == 4:
+        zword = zq // 8
+        zshift = (4 * (zq % 2) + (zq % 8) // 2) * 4
+    else:
+        zword = zq // 4
+        zshift = (2 * (zq % 2) + (zq % 4) // 2) * 8
+    kt = pid_k * (BLOCK_K // 16) + t
+    r_mask = kt < K // 16
+    wptr = qw_ptr + (kt * stride_qw + l4 * BITS)[:, None] + wcol[None, :]
+    words = tl.load(wptr, mask=r_mask[:, None] & c_mask[None, :], other=0)
+    if BITS == 4:
+        words = tl.reshape(tl.join(words, words), [BLOCK_K // 4, BLOCK_N])
+    gmask = r_mask[:, None] & n_mask[None, :]
+    for kq in tl.static_range(4):
+        kk = kt * 16 + l4 * 2 + (kq // 2) * 8 + kq % 2
+        g = tl.load(gidx_ptr + kk, mask=r_mask, other=0) if HAS_GIDX else kk // group_size
+        q = (words >> ((kq // 2) * BITS + (kq % 2) * 16 + col_shift[None, :])) & ((1 << BITS) - 1)
+        wf = (q | 0x4B000000).to(tl.float32, bitcast=True)
+        s = tl.load(s_ptr + g[:, None] * N + spos[None, :], mask=gmask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            z = tl.load(zp_ptr + g[:, None] * (N * BITS // 32) + zword[None, :], mask=gmask, other=0)
+            z = ((z >> zshift[None, :]) & ((1 << BITS) - 1)).to(tl.float32) + 8388608.0
+        else:
+            z = 8388608.0 + (1 << (BITS - 1))
+        row = tl.load(perm_ptr + kk, mask=r_mask, other=0) if HAS_PERM else kk
+        val = (wf - z) * s
+        tl.store(w_ptr + row[:, None] * N + n[None, :], val.to(w_ptr.dtype.element_ty), mask=gmask)
+
+
+@functools.cache
+def _jit_kernels(interpret: bool) -> tuple[Any, Any, Any]:
+    """(gemm, dequant, split-K sum) as Triton functions, wrapped on first use (never at import) and keyed by the flag, so
+    TRITON_INTERPRET is honoured at call time even when triton was imported before it was set."""
+    global tl
+    import triton.language
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    tl = triton.language
+    wrap = InterpretedFunction if interpret else JITFunction
+    return wrap(_w4a16_gemm), wrap(_marlin_dequant), wrap(_splitk_sum)
+
+
+def interpreting() -> bool:
+    """True when Triton's CPU interpreter is on (TRITON_INTERPRET, read at call time as triton does)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+@dataclass(frozen=True)
+class TritonW4A16State:
+    """A MarlinWeight checked once for the kernels; `g_idx` is dropped when the sorted g_idx is the trivial
+    k // group (always the case for GPTQ act-order, whose groups are formed in permuted order), so that only the
+    activation perm remains and the fast group modes apply."""
+
+    qweight: torch.Tensor  # int32 [K/16, N*bits/2]
+    scales: torch.Tensor  # [n_groups, N], Marlin-permuted, any float dtype
+    zeros: torch.Tensor | None  # int32 [n_groups, N*bits/32] marlin_zero_points layout
+    g_idx: torch.Tensor | None  # int32 [K] sorted, only when not trivial
+    perm: torch.Tensor | None  # int32 [K]
+    bits: int
+    group: int  # rows per group; K for per-channel
+    scale_single: bool  # channel-wise scale permutation (vLLM: group_size == -1 or >= K)
+    K: int  # noqa: N815 - GEMM letters
+    N: int  # noqa: N815
+
+
+def prepare_marlin(mw: MarlinWeight) -> TritonW4A16State:
+    """Check shapes and dtypes of a MarlinWeight and make its tensors contiguous. Raises QuantLayoutError."""
+    from .qweight import QuantLayoutError
+
+    k, n, bits = mw.K, mw.N, mw.bits
+    want = (k // 16, n * bits // 2)
+    if bits not in (4, 8) or k % 16 or n % 64:
+        raise QuantLayoutError(
+            f"Marlin weight K={k}, N={n}, {bits}-bit: needs 4/8-bit, K % 16 == 0, N % 64 == 0"
+        )
+    if mw.qweight.dtype != torch.int32 or tuple(mw.qweight.shape) != want:
+        raise QuantLayoutError(
+            f"qweight must be int32 {list(want)}; got {mw.qweight.dtype} {list(mw.qweight.shape)}"
+        )
+    group = k if mw.group_size == -1 else mw.group_size
+    n_groups = -(-k // group)
+    if tuple(mw.scales.shape) != (n_groups, n) or not mw.scales.is_floating_point():
+        raise QuantLayoutError(
+            f"scales must be float [{n_groups}, {n}]; got {mw.scales.dtype} {list(mw.scales.shape)}"
+        )
+    if mw.zeros is not None and tuple(mw.zeros.shape) != (n_groups, n * bits // 32):
+        raise QuantLayoutError(
+            f"zeros must be int32 [{n_groups}, {n * bits // 32}]; got {list(mw.zeros.shape)}"
+        )
+    g_idx = mw.g_idx
+    if g_idx is not None:
+        trivial = torch.arange(k, device=g_idx.device) // group
+        g_idx = None if torch.equal(g_idx.long(), trivial) else g_idx.to(torch.int32).contiguous()
+    return TritonW4A16State(
+        qweight=mw.qweight.contiguous(),
+        scales=mw.scales.contiguous(),
+        zeros=None if mw.zeros is None else mw.zeros.to(torch.int32).contiguous(),
+        g_idx=g_idx,
+        perm=None if mw.perm is None else mw.perm.to(torch.int32).contiguous(),
+        bits=bits,
+        group=group,
+        scale_single=mw.group_size == -1 or mw.group_size >= k,
+        K=k,
+        N=n,
+    )
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of the fused kernel. block_n is a multiple of 64 (a Marlin tile), block_k of 64."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1  # > 1: programs split K, store fp32 partials, a second small launch sums them
+    use_dot: bool = True  # False: CUDA-core FMAs (tiny M), no tensor-core operand layout conversion
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.cache
+def _device_info(index: int) -> tuple[int, int]:
+    """(SM count, compute capability major) of a CUDA device, queried on first use, never at import."""
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major
+
+
+def default_config(
+    m: int, k: int, n: int, group: int, sm_count: int = 0, gathered: bool = False, major: int = 9
+) -> GemmConfig:
+    """Heuristic launch config: untuned on hardware; run bench/w4a16_gemm.py --sweep on the target GPU.
+
+    Chosen so that nothing spills registers on sm80/sm90 (checked with ptxas through triton.compile for
+    GPUTarget cuda 80/90). Small M streams the packed weight once with split-K so that ~4 programs per SM keep
+    loads in flight, capped so that the fp32 partials (split * M * N * 4 bytes) stay below the weight bytes.
+    block_k divides the group when it can, so scales apply once per K block; `gathered` (per-(k, n) scales)
+    needs the smaller block_k to stay in registers. `major` is the compute capability's major version.
+    """
+    block_k = 128 if not gathered and m <= 16 and k % 128 == 0 and (group >= k or group % 128 == 0) else 64
+    block_n = 128 if n % 128 == 0 else 64
+    if m <= 2:
+        block_m, use_dot, warps = m, False, 8
+    elif m <= 16:
+        block_m, use_dot, warps = 16, True, 8 if gathered else 4
+    elif m <= 32:
+        block_m, use_dot, warps = 32, True, 4
+    else:
+        block_m, use_dot, warps = 128 if m > 64 and major >= 9 else 64, True, 8
+    tiles = -(-m // block_m) * -(-n // block_n)
+    k_blocks = -(-k // block_k)
+    split = 1
+    if sm_count and tiles < 2 * sm_count:
+        split = max(1, min(k_blocks, (4 * sm_count) // tiles, k // (16 * m)))
+        split = -(-k_blocks // -(-k_blocks // split))  # no empty splits
+    return GemmConfig(block_m, block_n, block_k, split, use_dot, warps, 4 if m <= 16 else 3)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,
+    state: TritonW4A16State,
+    bias: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """Fused W4A16 (and W8A16) GEMM: x [..., K] fp16/bf16/fp32 -> [..., N] in x.dtype, fp32 accumulation.
+
+    Act-order is applied by gathering x columns through `perm` inside the kernel; `bias` is natural-order [N].
+    """
+    k, n = state.K, state.N
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
+    dev = x2.device
+    if config is None:
+        gathered = state.g_idx is not None or (state.group < k and state.group % 64 != 0)
+        sms, major = _device_info(dev.index or 0) if dev.type == "cuda" else (0, 9)
+        config = default_config(m, k, n, state.group, sms, gathered, major)
+    cfg = config
+    if state.g_idx is not None:
+        group_mode = 2
+    elif state.group >= k:
+        group_mode = 0
+    else:
+        group_mode = 1 if state.group % cfg.block_k == 0 else 2
+    k_blocks = -(-k // cfg.block_k)
+    per_split = -(-k_blocks // cfg.split_k)
+    split = -(-k_blocks // per_split)
+    partial = split > 1
+    interp = interpreting()
+    # Triton 3.9's interpreter mishandles bf16: tl.dot on bf16 operands returns garbage and fp32 -> bf16 casts
+    # truncate (GPUs round to nearest). Interpreted bf16 therefore dots in fp32 (exact: bf16 x and the small
+    # integers q - zero are fp32 values) and stores fp32, rounded by torch below, as the GPU would.
+    bf16_fix = interp and x.dtype == torch.bfloat16
+    out = torch.empty(m, n, device=dev, dtype=torch.float32 if bf16_fix else x.dtype)
+    ws = torch.empty(split, m, n, device=dev, dtype=torch.float32) if partial else out
+    gemm, _, splitk_sum = _jit_kernels(interp)
+    dummy = state.qweight
+    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), split)
+    gemm[grid](
+        x2, state.qweight, state.scales,
+        dummy if state.zeros is None else state.zeros,
+        dummy if state.g_idx is None else state.g_idx,
+        dummy if state.perm is None else state.perm,
+        dummy if bias is None else bias,
+        ws, m, n, k, x2.stride(0), n, state.qweight.stride(0), state.group, per_split,
+        BITS=state.bits, HAS_ZP=state.zeros is not None, HAS_PERM=state.perm is not None,
+        HAS_GIDX=state.g_idx is not None, HAS_BIAS=bias is not None and not partial, GROUP_MODE=group_mode,
+        SCALE_SINGLE=state.scale_single, USE_DOT=cfg.use_dot,
+        W_FP32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and (group_mode == 2 or interp)),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PARTIAL=partial,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
+    )  # fmt: skip
+    if partial:
+        block = 1024
+        splitk_sum[(-(-m * n // block),)](
+            ws, dummy if bias is None else bias, out, m * n, n, split,
+            HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=True,
+        )  # fmt: skip
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def marlin_dequantize(
+    state: TritonW4A16State, dtype: torch.dtype = torch.float16, block_k: int = 64, block_n: int = 128
+) -> torch.Tensor:
+    """Dense [K, N] weight in `dtype`, natural row order (act-order rows scattered back through perm), so the
+    prefill path is just `x @ W`. Reads K*N*bits/8 bytes and writes K*N*2: worth it only when the matmul that
+    follows is compute-bound (large M)."""
+    k, n = state.K, state.N
+    block_n = block_n if n % block_n == 0 else 64
+    interp = interpreting()
+    bf16_fix = interp and dtype == torch.bfloat16  # the interpreter truncates fp32 -> bf16; see w4a16_gemm
+    w = torch.empty(k, n, device=state.qweight.device, dtype=torch.float32 if bf16_fix else dtype)
+    _, dequant, _ = _jit_kernels(interp)
+    dummy = state.qweight
+    dequant[(-(-k // block_k), n // block_n)](
+        state.qweight, state.scales,
+        dummy if state.zeros is None else state.zeros,
+        dummy if state.g_idx is None else state.g_idx,
+        dummy if state.perm is None else state.perm,
+        w, n, k, state.qweight.stride(0), state.group,
+        BITS=state.bits, HAS_ZP=state.zeros is not None, HAS_PERM=state.perm is not None,
+        HAS_GIDX=state.g_idx is not None, SCALE_SINGLE=state.scale_single, BLOCK_N=block_n, BLOCK_K=block_k,
+        enable_fp_fusion=True,  # explicit: Triton 3.10 flips the default
+    )  # fmt: skip
+    return w.to(dtype)
+
+
+class TritonW4A16Kernel:
+    """Marlin-layout W4A16/W8A16 through Triton on CUDA (sm80+); on CPU only under TRITON_INTERPRET=1 (tests).
+
+    M < dequant_min_m: the fused kernel (split-K GEMV for small M, tensor-core tiles above). M >= dequant_min_m:
+    dequantize to a dense [K, N] temporary (K*N*2 bytes, freed after the call) and use cuBLAS, which wins once
+    the matmul is compute-bound. The crossover is a guess until measured with bench/w4a16_gemm.py.
+    """
+
+    name = "triton_w4a16"
+
+    def __init__(self, dequant_min_m: int = 512) -> None:
+        self.dequant_min_m = dequant_min_m
+
+    @classmethod
+    def can_implement(
+        cls, mw: MarlinWeight, x_dtype: torch.dtype, device: torch.device | str
+    ) -> tuple[bool, str]:
+        device = torch.device(device)
+        if mw.bits not in (4, 8):
+            return False, f"{mw.bits}-bit weights (the Marlin layout holds 4- or 8-bit)"
+        if mw.K % 16 or mw.N % 64:
+            return False, f"K={mw.K}, N={mw.N}: Marlin tiles need K % 16 == 0 and N % 64 == 0"
+        if x_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False, f"activations {x_dtype} (needs float16, bfloat16 or float32)"
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return False, "triton is not installed (pip install triton)"
+        if device.type == "cpu":
+            if not interpreting():
+                return False, "CPU tensors run Triton only in its interpreter (TRITON_INTERPRET=1, for tests)"
+            return True, ""
+        if device.type != "cuda":
+            return False, f"device {device} (needs cuda)"
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available in this torch build or machine"
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 0):
+            return (
+                False,
+                f"compute capability {cap[0]}.{cap[1]} < 8.0 (bf16 tensor cores, as Marlin requires)",
+            )
+        return True, ""
+
+    def prepare(self, mw: MarlinWeight) -> TritonW4A16State:
+        return prepare_marlin(mw)
+
+    def path(self, m: int) -> str:
+        """Which path apply() takes for M rows (printed by the benchmark)."""
+        if m >= self.dequant_min_m:
+            return "dequant+matmul"
+        return "fused-fma" if m <= 2 else "fused-dot"
+
+    def apply(
+        self, state: TritonW4A16State, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x.dtype. Raises ValueError on a K or device mismatch."""
+        if x.shape[-1] != state.K:
+            raise ValueError(f"W4A16 linear: x has {x.shape[-1]} input features, the weight has K={state.K}")
+        if x.device != state.qweight.device:
+            raise ValueError(f"W4A16 linear: x is on {x.device}, the weight on {state.qweight.device}")
+        m = x.numel() // state.K
+        if m < self.dequant_min_m:
+            return w4a16_gemm(x, state, bias)
+        w = marlin_dequantize(state, x.dtype)
+        x2 = x.reshape(-1, state.K)
+        out = x2 @ w if bias is None else torch.addmm(bias.to(x.dtype), x2, w)
+        return out.reshape(*x.shape[:-1], state.N)

@@ -1,0 +1,61 @@
+"""Start the torch backend for a detected HF checkpoint: pick device and dtype, load weights, size the KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from quantserve.backends import LoadedModel, ModelInfo
+from quantserve.errors import BackendUnavailableError
+from quantserve.formats import ModelSpec
+
+log = logging.getLogger("quantserve.torch")
+
+MAX_DEFAULT_CTX = (
+    8192  # like the llama.cpp backend: a model's full training context is rarely what a user wants
+)
+
+
+def pick_device_dtype(config: dict) -> tuple[torch.device, torch.dtype]:
+    """CUDA in the checkpoint's half type (bf16 unless it says fp16); otherwise CPU in fp32 (CPU matmuls in bf16
+    are slower here and less exact)."""
+    if torch.cuda.is_available():
+        half = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        return torch.device("cuda"), torch.float16 if half == "float16" else torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def load_torch(spec: ModelSpec, settings, entry) -> LoadedModel:
+    """`settings` is quantserve.llm.EngineSettings, `entry` the models.toml entry (defaults)."""
+    if spec.format == "gguf":
+        raise BackendUnavailableError(
+            f"{spec.path} is GGUF; the torch backend reads HF checkpoints (dense, GPTQ, AWQ, compressed-tensors, "
+            "Marlin). Serve it with --backend llamacpp, or convert it with `quantserve convert --src "
+            f"{spec.path} --dst DIR`"
+        )
+    from quantserve.backends.torch.runner import TorchRunner, TorchSettings
+    from quantserve.backends.torch.tokenizer import HFTokenizer
+    from quantserve.backends.torch.weights import load_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device, dtype = pick_device_dtype(spec.config or {})
+    tokenizer = HFTokenizer.from_dir(spec.directory)
+    model = load_model(spec, dtype=dtype, device=device, quant=settings.quant or entry.quant or None)
+    n_ctx = settings.ctx_size or entry.ctx_size or min(model.args.max_position_embeddings, MAX_DEFAULT_CTX)
+    runner = TorchRunner(
+        model,
+        tokenizer,
+        TorchSettings(n_ctx=n_ctx, max_num_seqs=settings.max_num_seqs, num_kv_tokens=settings.kv_size),
+        device,
+    )
+    n_params = sum(p.numel() for p in model.parameters())
+    return LoadedModel(
+        runner=runner,
+        info=ModelInfo(architecture=model.args.arch, n_params=n_params, format=spec.format, backend="torch"),
+        chat_template=tokenizer.chat_template,
+        template_origin=str(spec.directory / "tokenizer_config.json"),
+        bos_token=tokenizer.bos_token or "",
+        eos_token=tokenizer.eos_token or "",
+    )

@@ -1,0 +1,191 @@
+"""TorchRunner: the torch model, its paged KV cache and sampler behind the engine's ModelRunner protocol."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from quantserve.backends import KVCacheFull
+from quantserve.backends.torch.block_manager import BlockManager
+from quantserve.backends.torch.model import KVCache, PagedBatch, Transformer
+from quantserve.backends.torch.sampler import Sampler, check_params
+from quantserve.engine.sampling_params import SamplingParams
+from quantserve.engine.sequence import SampledToken, Sequence
+from quantserve.errors import ConfigError, InvalidRequestError
+
+log = logging.getLogger("quantserve.torch")
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    n_ctx: int  # longest sequence (prompt + output)
+    max_num_seqs: int
+    block_size: int = 16
+    num_kv_tokens: int = 0  # KV capacity in tokens; 0 = from free GPU memory, or n_ctx x max_num_seqs on CPU
+    gpu_memory_utilization: float = (
+        0.90  # share of the GPU's memory the model, KV cache and activations may use
+    )
+
+
+def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
+    a = model.args
+    return (
+        2
+        * a.num_hidden_layers
+        * a.num_key_value_heads
+        * a.head_dim
+        * torch.empty((), dtype=dtype).element_size()
+    )
+
+
+def size_kv_cache(
+    model: Transformer, settings: TorchSettings, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Number of KV blocks: the setting, else what fits in free GPU memory (vLLM's gpu_memory_utilization), else
+    room for every sequence at full context on CPU."""
+    per_block = kv_bytes_per_token(model, dtype) * settings.block_size
+    if settings.num_kv_tokens:
+        return -(-settings.num_kv_tokens // settings.block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - settings.gpu_memory_utilization) * total - 512 * 2**20  # activations
+        blocks = int(budget // per_block)
+        if blocks < -(-settings.n_ctx // settings.block_size):
+            raise InvalidRequestError(
+                f"only {max(budget, 0) / 2**30:.1f} GiB of GPU memory is left for the KV cache, less than one "
+                f"{settings.n_ctx}-token sequence needs; lower --ctx-size or use a smaller model"
+            )
+        return blocks
+    return -(-settings.n_ctx * settings.max_num_seqs // settings.block_size)
+
+
+class TorchRunner:
+    """Not thread-safe: the engine thread is its only caller."""
+
+    kv_unified = True  # one block pool for all sequences
+    supports_prefix_cache = False  # blocks are freed when a sequence ends
+
+    def __init__(self, model: Transformer, tokenizer, settings: TorchSettings, device: torch.device):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.device = device
+        self.n_ctx = settings.n_ctx
+        self.n_vocab = model.args.vocab_size
+        dtype = model.model.embed_tokens.weight.dtype
+        num_blocks = size_kv_cache(model, settings, dtype, device)
+        self.block_size = self.kv_block_size = settings.block_size
+        self.blocks = BlockManager(num_blocks, self.block_size)
+        # The scheduler counts tokens; when whole blocks run out first, execute raises KVCacheFull and the engine
+        # preempts the newest sequence.
+        self.n_kv_cells = num_blocks * self.block_size
+        if self.n_kv_cells < settings.n_ctx:
+            raise ConfigError(
+                f"the KV cache holds {self.n_kv_cells} tokens, fewer than one {settings.n_ctx}-token sequence "
+                "needs; raise --kv-size or lower --ctx-size",
+                param="kv_size",
+            )
+        a = model.args
+        for layer in model.model.layers:
+            layer.self_attn.cache = KVCache(
+                num_blocks * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
+            )
+        self.sampler = Sampler(device, self.n_vocab)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
+            num_blocks,
+            self.block_size,
+            self.n_kv_cells,
+            self.n_kv_cells * kv_bytes_per_token(model, dtype) / 2**30,
+            device,
+        )
+
+    # ---- tokens -----------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.token_bytes(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self.tokenizer.is_eog(token)
+
+    def adds_bos(self) -> bool:
+        return self.tokenizer.add_bos
+
+    def check_params(self, params: SamplingParams) -> None:
+        check_params(params, self.n_vocab)
+
+    # ---- execution --------------------------------------------------------------------------------
+
+    def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, lens, ctxs, tables, last = [], [], [], [], []
+        for seq, n in plan:
+            start = seq.num_computed
+            key = seq.request_id
+            if not self.blocks.can_append(key, start + n):
+                raise KVCacheFull()
+            self.blocks.append_slots(key, start + n)
+            starts.append(len(ids))
+            lens.append(n)
+            ctxs.append(start + n)
+            ids.extend(seq.tokens[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self.blocks.slot_mapping(key, start, n))
+            tables.append(self.blocks.block_table(key))
+            last.append(len(ids) - 1 if start + n == len(seq.tokens) else -1)
+        dev = self.device
+        width = max(len(t) for t in tables)
+        decode = [i for i, n in enumerate(lens) if n == 1]
+        batch = PagedBatch(
+            slot_mapping=torch.tensor(slots, device=dev),
+            q_start=starts,
+            q_len=lens,
+            context_lens=ctxs,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
+            block_size=self.block_size,
+            decode_rows=torch.tensor(decode, dtype=torch.long, device=dev),
+            prefill_rows=[i for i, n in enumerate(lens) if n > 1],
+            decode_context_lens=torch.tensor([ctxs[i] for i in decode], dtype=torch.long, device=dev),
+        )
+        with torch.inference_mode():
+            hidden = self.model(
+                torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
+            )  # [T, D]
+            done = [i for i, idx in enumerate(last) if idx >= 0]
+            sampled: list[SampledToken] = []
+            if done:
+                logits = self.model.compute_logits(hidden[[last[i] for i in done]])  # [len(done), V] fp32
+                sampled = self.sampler.sample(logits, [plan[i][0] for i in done])
+        results: list[SampledToken | None] = [None] * len(plan)
+        for i, tok in zip(done, sampled, strict=True):
+            results[i] = tok
+        for seq, n in plan:
+            seq.num_computed += n
+        return results
+
+    def free(self, seq: Sequence, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
+        self.blocks.deallocate(seq.request_id)
+        if not keep_sampler:
+            self.sampler.remove(seq)
+
+    def num_kv_used(self) -> int:
+        """KV cells held by sequences, in tokens (whole blocks)."""
+        return self.blocks.num_used_blocks * self.block_size
+
+    def clear_slot(self, slot: int) -> None:  # no prefix cache: nothing is kept in free slots
+        pass
+
+    def reuse_slot(self, seq: Sequence) -> None:
+        pass
+
+    def close(self) -> None:
+        for layer in self.model.model.layers:
+            layer.self_attn.cache = None
+        self.model = None

@@ -1,0 +1,184 @@
+"""Build the torch model from a checkpoint: dense weights copied in, quantized linears repacked to Marlin once.
+
+Dense fp16/bf16/fp32 safetensors load as is, or are quantized at load (`--quant int4`: RTN, 4-bit, symmetric, then
+the Marlin layout). GPTQ, AWQ, compressed-tensors and Marlin checkpoints are read into the canonical form by
+quantserve.formats and repacked to Marlin (vLLM's layout) for the W4A16 kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
+from quantserve.errors import ConfigError, ModelFileError
+from quantserve.formats import ModelSpec
+
+log = logging.getLogger("quantserve.torch")
+
+QUANTIZED_FORMATS = ("gptq", "awq", "marlin", "compressed-tensors")
+LOAD_QUANTS = {"int4": (4, "rtn")}  # --quant values the torch backend applies at load
+
+
+def _empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Transformer:
+    """A model with uninitialised parameters (no time spent on random init), rotary tables computed."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(dtype)
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.__init__(args)
+            m.to(device)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _checkpoint_names(files: tuple[Path, ...]) -> dict[str, Path]:
+    names: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                names[name] = path
+    return names
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise ModelFileError(
+            f"tensor {name} has shape {list(value.shape)} but config.json implies {list(param.shape)}; "
+            "the checkpoint and its config do not match"
+        )
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def _fill_dense(model: Transformer, names: dict[str, Path], skip: set[str]) -> None:
+    """Copy every dense tensor the model has from the checkpoint; complain about what is missing."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if model.args.tie_word_embeddings or "lm_head.weight" not in names:
+        params.pop("lm_head.weight", None)
+        if "lm_head.weight" not in names and not model.args.tie_word_embeddings:
+            # FORMATS §6.4: a missing tie_word_embeddings defaults differ per class; the file decides.
+            log.info("no lm_head.weight in the checkpoint: the output layer shares the embeddings")
+            model.lm_head.weight = model.model.embed_tokens.weight
+    wanted = {n: p for n, p in params.items() if n not in skip}
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise ModelFileError(
+            f"the checkpoint lacks {len(missing)} tensors the {model.args.arch} model needs, e.g. {missing[:3]}; "
+            "is it a complete checkpoint of this architecture?"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for n in wanted:
+        by_file.setdefault(names[n], []).append(n)
+    for path, group in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for n in group:
+                _copy(wanted[n], f.get_tensor(n), n)
+
+
+def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
+    parent, _, child = prefix.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+def decoder_linears(model: Transformer) -> list[str]:
+    """Prefixes of the linears inside decoder layers (what GPTQ/AWQ quantize; lm_head stays dense)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{n}"]
+
+
+def load_model(
+    spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quant: str | None = None
+) -> Transformer:
+    """The model for `spec` (dense or quantized safetensors) on `device`.
+
+    Raises:
+        ModelFileError: tensors missing or of the wrong shape.
+        ConfigError: `quant` is not something the torch backend applies at load.
+    """
+    t0 = time.perf_counter()
+    args = ModelArgs.from_hf_config(spec.config or {})
+    model = _empty_model(args, dtype, device)
+    if spec.format in QUANTIZED_FORMATS:
+        if quant:
+            raise ConfigError(
+                f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"
+            )
+        from quantserve.backends.torch.quant_linear import QuantLinear
+        from quantserve.formats.quant_read import open_quantized
+
+        ckpt = open_quantized(spec)
+        prefixes = ckpt.linear_prefixes()
+        for prefix in tqdm(prefixes, desc="repack to Marlin", unit="linear", leave=False):
+            qw = ckpt.read_linear(prefix)
+            bias = ckpt.read_bias(prefix)
+            _set_module(
+                model, prefix, QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
+            )
+        names = {n: Path() for n in ckpt.dense_names()}
+        params = dict(model.named_parameters(remove_duplicate=False))
+        skip = {n for n in params if n.rsplit(".", 1)[0] in prefixes}
+        _fill_dense_from(model, ckpt, names, skip)
+    elif spec.format == "safetensors":
+        _fill_dense(model, _checkpoint_names(spec.files), skip=set())
+        if quant:
+            if quant.lower() not in LOAD_QUANTS:
+                raise ConfigError(
+                    f"--quant {quant} is a GGUF type; the torch backend quantizes at load to "
+                    f"{', '.join(LOAD_QUANTS)} (or serve with --backend llamacpp)",
+                    param="quant",
+                )
+            _quantize_in_place(model, dtype, device)
+    else:
+        raise ConfigError(f"the torch backend cannot serve {spec.format} files; use --backend llamacpp")
+    model.eval()
+    log.info(
+        "torch model %s (%s, %d layers) loaded on %s as %s in %.1fs",
+        spec.path,
+        args.arch,
+        args.num_hidden_layers,
+        device,
+        str(dtype).removeprefix("torch."),
+        time.perf_counter() - t0,
+    )
+    return model
+
+
+def _fill_dense_from(model: Transformer, ckpt, names: dict[str, Path], skip: set[str]) -> None:
+    """Dense tensors of a quantized checkpoint (embeddings, norms, lm_head), read through its reader."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if model.args.tie_word_embeddings or "lm_head.weight" not in names:
+        params.pop("lm_head.weight", None)
+        if "lm_head.weight" not in names:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    wanted = {n: p for n, p in params.items() if n not in skip}
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise ModelFileError(
+            f"the checkpoint lacks {len(missing)} tensors the {model.args.arch} model needs, e.g. {missing[:3]}"
+        )
+    for n, p in wanted.items():
+        _copy(p, ckpt.read_dense(n), n)
+
+
+def _quantize_in_place(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
+    """--quant int4: RTN 4-bit symmetric per group (128, or 64 / -1 where K needs it), then Marlin."""
+    from quantserve.backends.torch.quant_linear import QuantLinear
+    from quantserve.converters.quantize_rtn import quantize_rtn
+
+    for prefix in tqdm(decoder_linears(model), desc="quantize int4 (RTN)", unit="linear", leave=False):
+        lin = model.get_submodule(prefix)
+        k = lin.in_features
+        group = next((g for g in (128, 64, 32) if k % g == 0), -1)
+        qw = quantize_rtn(lin.weight.detach().float(), bits=4, group_size=group, sym=True)
+        bias = lin.bias.detach() if lin.bias is not None else None
+        _set_module(
+            model, prefix, QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
+        )
