@@ -34,7 +34,28 @@ def _size(path: Path) -> str:
     help="Output: a directory (-> HF) or a .gguf file.",
 )
 @click.option("--quant", default=None, help="-> GGUF file type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k "
-              "q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m).")  # fmt: skip
+              "q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m); or -> a quantized HF "
+              "directory: gptq, awq or rtn.")  # fmt: skip
+@click.option("--format", "fmt", type=click.Choice(["gptq", "awq", "compressed-tensors", "marlin"]), default=None,
+              help="Quantized HF output format [default: gptq for --quant gptq/rtn, awq for awq]. With a "
+              "GPTQ/AWQ/compressed-tensors/Marlin --src and no --quant: repack losslessly.")  # fmt: skip
+@click.option("--bits", type=click.Choice(["2", "3", "4", "8"]), default="4", show_default=True,
+              help="gptq/awq/rtn: bits per weight.")  # fmt: skip
+@click.option("--group-size", type=int, default=128, show_default=True,
+              help="gptq/awq/rtn: weights per scale along the input dimension (-1: one group per row). It must "
+              "divide every layer's input size (SmolLM2's 576 needs 64).")  # fmt: skip
+@click.option(
+    "--act-order", is_flag=True, help="gptq: quantize columns in order of decreasing activation energy."
+)
+@click.option("--sym/--asym", default=None,
+              help="Symmetric weights, or zero points [default: --sym for gptq/rtn, --asym for awq].")  # fmt: skip
+@click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="gptq/awq: UTF-8 calibration text [default: a small built-in text].")  # fmt: skip
+@click.option("--calib-samples", type=int, default=None, help="gptq/awq: calibration sequences [default: 128, "
+              "or as many as the text gives].")  # fmt: skip
+@click.option("--calib-seq-len", type=int, default=None, help="gptq/awq: tokens per sequence [default: 512].")
+@click.option("--damp-percent", type=float, default=0.01, show_default=True,
+              help="gptq: dampening added to the Hessian's diagonal, as a fraction of its mean.")  # fmt: skip
 @click.option(
     "--dtype",
     type=click.Choice(["bf16", "fp16", "fp32"]),
@@ -60,21 +81,37 @@ def _size(path: Path) -> str:
     default=None,
     help="Text for --check [default: a built-in English text of about 1,500 tokens].",
 )
-def convert(src: Path, dst: Path, quant: str | None, dtype: str | None, imatrix: Path | None,
-            threads: int | None, force: bool, check: bool, check_text: Path | None) -> None:  # fmt: skip
-    """Convert between GGUF and HF safetensors; the direction follows the source.
+def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str, group_size: int, act_order: bool,
+            sym: bool | None, calib: Path | None, calib_samples: int | None, calib_seq_len: int | None,
+            damp_percent: float, dtype: str | None, imatrix: Path | None, threads: int | None, force: bool,
+            check: bool, check_text: Path | None) -> None:  # fmt: skip
+    """Convert between GGUF, dense HF and quantized HF (GPTQ, AWQ, compressed-tensors, Marlin) checkpoints.
 
     \b
     Examples:
       quantserve convert --src model.gguf --dst model-hf/ --dtype bf16
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --imatrix imatrix.gguf
+      quantserve convert --src model-hf/ --dst model-gptq/ --quant gptq --group-size 128 --act-order
+      quantserve convert --src model-hf/ --dst model-awq/ --quant awq --calib my-text.txt
+      quantserve convert --src model-gptq/ --dst model-marlin/ --format marlin
     """
     from quantserve.converters import gguf_to_hf, hf_to_gguf
     from quantserve.formats import detect
 
     try:
-        fmt = detect(src).format
+        src_fmt = detect(src).format
+        if quant in ("gptq", "awq", "rtn") or (fmt and not quant):
+            _fail_if(dtype or imatrix, "--dtype and --imatrix do not apply to GPTQ/AWQ/RTN output")
+            _fail_if(
+                check, "--check compares GGUF files; score a quantized directory with `quantserve eval ppl`"
+            )
+            click.echo(_to_quantized_hf(src, dst, src_fmt, quant, fmt, int(bits), group_size, act_order, sym,
+                                        calib, calib_samples, calib_seq_len, damp_percent, force))  # fmt: skip
+            return
+        if fmt:
+            raise ConfigError("--format writes quantized HF directories; use it with --quant gptq|awq|rtn")
+        fmt = src_fmt
         if fmt == "gguf":
             if quant or imatrix or threads:
                 raise ConfigError(
@@ -103,6 +140,41 @@ def convert(src: Path, dst: Path, quant: str | None, dtype: str | None, imatrix:
             click.echo(_check(src, out, fmt, check_text))
         except QuantserveError as exc:
             _fail(exc)
+
+
+def _fail_if(cond: object, message: str) -> None:
+    if cond:
+        raise ConfigError(message)
+
+
+def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt: str | None, bits: int,
+                     group_size: int, act_order: bool, sym: bool | None, calib: Path | None,
+                     calib_samples: int | None, calib_seq_len: int | None, damp_percent: float,
+                     force: bool) -> str:  # fmt: skip
+    from quantserve.converters.quantize import quantize_checkpoint, repack_checkpoint
+
+    if quant is None:  # --format alone: repack an already-quantized checkpoint
+        out = repack_checkpoint(src, dst, fmt, force=force)
+        return f"repacked {src} ({src_fmt}) as {fmt}: {out} ({_size(out)})"
+    if src_fmt != "safetensors":
+        raise ConfigError(
+            f"{src} is {src_fmt}; --quant {quant} quantizes dense fp16/bf16/fp32 HF checkpoints"
+            + (
+                " (convert the GGUF to HF first: quantserve convert --src FILE.gguf --dst DIR)"
+                if src_fmt == "gguf"
+                else ""
+            )
+        )
+    r = quantize_checkpoint(
+        src, dst, quant, fmt=fmt, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
+        calib_text=calib.read_text(encoding="utf-8") if calib else None, n_samples=calib_samples,
+        seq_len=calib_seq_len, damp_percent=damp_percent, force=force,
+    )  # fmt: skip
+    loss = f", mean GPTQ loss {r.mean_loss:.4g}" if r.mean_loss is not None else ""
+    return (
+        f"wrote {r.path} ({_size(r.path)}): {r.n_linears} linears, {quant} {bits}-bit group {group_size} as "
+        f"{r.format} in {r.seconds:.1f}s{loss}"
+    )
 
 
 def _check(src: Path, out: Path, src_format: str, text_file: Path | None) -> str:
