@@ -34,7 +34,7 @@ EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """One quantized linear: `prefix` is its checkpoint name without `.weight` (model.layers.3.mlp.up_proj)."""
+    """A quantized linear; `prefix` is its name without `.weight` (model.layers.3.mlp.up_proj)."""
 
     prefix: str
     weight: QuantizedWeight  # on the CPU
@@ -138,9 +138,9 @@ def quantize_model(
         device: where layers and activations live; default cuda when available.
 
     Returns:
-        An iterator of QuantizedLinear (every q/k/v/o/gate/up/down of every layer) and DenseTensor (embeddings,
-        per-layer norms, final norm, untied lm_head), layer by layer, all on the CPU. Checks run now;
-        the work happens as it is consumed.
+        An iterator of QuantizedLinear (every q/k/v/o/gate/up/down of every layer) and DenseTensor
+        (embeddings, per-layer norms, final norm, untied lm_head), layer by layer, all on the CPU. Checks
+        run now; the work happens as it is consumed.
 
     Raises:
         ConfigError: bad options, K not a multiple of group_size, an already-quantized checkpoint.
@@ -149,7 +149,8 @@ def quantize_model(
     spec = detect(src_dir)
     if spec.format != "safetensors" or not spec.config:
         raise ConfigError(
-            f"{src_dir} is a {spec.format} model; quantize a dense fp16/bf16/fp32 safetensors checkpoint with config.json"
+            f"{src_dir} is a {spec.format} model; quantize a dense fp16/bf16/fp32 safetensors checkpoint "
+            "with its config.json"
         )
     args = ModelArgs.from_hf_config(spec.config)
     opt = QuantizeOptions(
@@ -240,7 +241,8 @@ def _stream(
 
 
 def _empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
-    """A float32 decoder block on `device`, reused for every layer (no random init of weights to be overwritten)."""
+    """A float32 decoder block on `device`, reused for every layer (no random init of weights that get
+    overwritten)."""
     with torch.device("meta"):
         block = TransformerBlock(args, 0)
     block = block.to_empty(device=device).float()

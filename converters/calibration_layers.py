@@ -1,4 +1,4 @@
-"""Quantize the seven linears of one decoder block in place with RTN, GPTQ or AWQ (the calibration driver's step)."""
+"""The calibration driver's per-layer step: quantize the seven linears of a decoder block in place."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def run_block(
     batch_size: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """block(hidden) over [n, T, D] in batches of samples; `out` may be `hidden` itself (rows are independent)."""
+    """block(hidden) over [n, T, D] in batches of samples; `out` may be `hidden` (samples are independent)."""
     out = torch.empty_like(hidden) if out is None else out
     for s in range(0, hidden.shape[0], batch_size):
         out[s : s + batch_size] = block(hidden[s : s + batch_size], positions)

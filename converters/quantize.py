@@ -24,6 +24,7 @@ log = logging.getLogger("quantserve.convert")
 METHODS = ("rtn", "gptq", "awq")
 FORMATS = ("gptq", "awq", "compressed-tensors", "marlin")
 DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq"}
+ACT_ORDERS = ("off", "static", "group")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def quantize_checkpoint(
     bits: int = 4,
     group_size: int = 128,
     sym: bool | None = None,
-    act_order: bool = False,
+    act_order: str | None = None,
     calib_text: str | None = None,
     n_samples: int | None = None,
     seq_len: int | None = None,
@@ -56,7 +57,10 @@ def quantize_checkpoint(
     """Quantize the dense checkpoint `src` with `method` and write it to `dst` in `fmt`.
 
     `sym` None means the method's usual choice: symmetric for RTN and GPTQ (what Marlin serves), asymmetric
-    (zero points) for AWQ.
+    (zero points) for AWQ. `act_order` (GPTQ): "static" processes columns in order of decreasing activation
+    energy but keeps groups contiguous (a trivial g_idx, so Marlin's fast path applies), "group" forms groups in
+    that order too (a permuted g_idx), "off" is plain GPTQ; None means "static", which measured best on SmolLM2
+    (bench/results/quant-quality.md: plain GPTQ overfits a small calibration set and loses to RTN there).
 
     Raises:
         ConfigError: an unknown method or format, a group size that does not divide a layer's K, options a
@@ -80,7 +84,12 @@ def quantize_checkpoint(
         raise ConfigError(f"unknown output format '{fmt}' (known: {', '.join(FORMATS)})", param="format")
     if sym is None:
         sym = method != "awq"
-    if fmt == "awq" and (act_order or bits != 4):
+    act_order = act_order or ("static" if method == "gptq" else "off")
+    if act_order not in ACT_ORDERS:
+        raise ConfigError(f"--act-order must be one of {', '.join(ACT_ORDERS)}", param="act_order")
+    if act_order != "off" and method != "gptq":
+        raise ConfigError(f"--act-order applies to gptq, not {method}", param="act_order")
+    if fmt == "awq" and (act_order == "group" or bits != 4):
         raise ConfigError("the AWQ format holds 4-bit weights without act-order; use --format gptq or marlin")
     spec = detect(src)
     t0 = time.perf_counter()
@@ -91,8 +100,9 @@ def quantize_checkpoint(
         )
         log.info("calibration: %d samples of %d tokens", calib.shape[0], calib.shape[1])
     stream = quantize_model(
-        src, method, bits, group_size, sym, act_order, calib, damp_percent=damp_percent, progress=progress
-    )
+        src, method, bits, group_size, sym, act_order != "off", calib, damp_percent=damp_percent,
+        static_groups=act_order == "static", progress=progress,
+    )  # fmt: skip
     dense: list[tuple[str, torch.Tensor]] = []
     losses: list[float] = []
     count = [0]
@@ -114,7 +124,8 @@ def quantize_checkpoint(
         damp_percent=damp_percent if method == "gptq" else None,
         quantizer=f"quantserve:{method}",
         force=force,
-        act_order=act_order if fmt == "compressed-tensors" else None,
+        act_order=act_order == "group" if fmt == "compressed-tensors" else None,
+        static_groups=act_order == "static",
     )
     out = write_quantized(
         dst, fmt, layers(), dense_tensors(), spec.config or {}, spec.directory, options=options

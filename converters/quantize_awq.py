@@ -1,6 +1,6 @@
-"""AWQ (Lin et al. 2023): activation-aware per-channel scale search, weight clipping search, and AWQ's quantizer.
+"""AWQ (Lin et al. 2023): activation-aware per-channel scale search, clipping search, and AWQ's quantizer.
 
-The algorithm follows llm-awq / AutoAWQ (awq/quantize/quantizer.py) in words: for linears that share an input x,
+The algorithm follows llm-awq / AutoAWQ (awq/quantize/quantizer.py) in words: for linears sharing an input x,
 try s = mean|x|^α for α on a grid in [0, 1), normalised by sqrt(max(s)·min(s)), and keep the s whose quantized
 W·diag(s) applied to x/s best reproduces the block's output. The scales are then folded into the op that
 produces x (an RMSNorm weight or the previous linear's rows; `apply_scale`), so the model is unchanged until
@@ -68,8 +68,8 @@ def search_scale(
     """The per-input-channel scale s [K] (float32) that best protects the linears' salient channels.
 
     Args:
-        x: [..., K] the linears' shared input over the calibration set (split along dim 0 into module_fn calls,
-            so keep whole sequences in dim 0 when module_fn is attention).
+        x: [..., K] the linears' shared input over the calibration set, split along dim 0 into module_fn
+            calls (so keep whole sequences in dim 0 when module_fn is attention).
         linears: weights [N_i, K] that read x (e.g. q/k/v, or gate/up).
         module_fn: f(x, weights) -> output of the block that contains them; the loss is
             mean (f([Q(W_i·diag(s))/s], x) − f(W, x))², i.e. quantized W·diag(s) applied to x/s.
@@ -140,7 +140,7 @@ def search_clip(
     scale_dtype: torch.dtype = torch.float16,
 ) -> torch.Tensor:
     """max_val [N, n_groups]: per group, the clipping threshold in {max|w|·(1 − i/n_grid)} that minimises that
-    group's output error mean_t (x_g·(Q(clip(w_g)) − w_g))² over ≤ n_tokens evenly spaced tokens of x [..., K].
+    group's output error mean_t (x_g·(Q(clip(w_g)) − w_g))² over ≤ n_tokens evenly spaced tokens of x.
     i runs over [0, max_shrink·n_grid) (i = 0: no clipping), as AutoAWQ's search."""
     n, k = w.shape
     g = check_quant_args(k, bits, group_size)
@@ -149,7 +149,7 @@ def search_clip(
     xt = xt[:: max(1, xt.shape[0] // n_tokens)].float().reshape(-1, k // g, g)  # [T, ng, G]
     w3 = w.detach().float().reshape(n, k // g, g)
     out = []
-    # Per-group outputs via one batched matmul over groups ([ob, T, ng]), not AutoAWQ's [ob, T, ng, G] product.
+    # Per-group outputs by one batched matmul over groups ([ob, T, ng]), not AutoAWQ's [ob, T, ng, G] product.
     ob = max(1, (1 << 24) // max(1, xt.shape[0] * xt.shape[1]))
     for wb in w3.split(ob, dim=0):
         org_max = wb.abs().amax(-1)  # [ob, ng]
@@ -182,7 +182,8 @@ def quantize_awq(
     scale_dtype: torch.dtype = torch.float16,
     name: str = "weight",
 ) -> QuantizedWeight:
-    """Quantize an AWQ-scaled (and clipped) weight w [N, K] with AWQ's quantizer; returns GEMM-oriented [K, N].
+    """Quantize an AWQ-scaled (and clipped) weight w [N, K] with AWQ's quantizer; returns GEMM-oriented
+    [K, N].
 
     zero_point True is AutoAWQ's default asymmetric 4-bit (zeros stored); False is its symmetric variant.
 

@@ -33,7 +33,8 @@ class GPTQ:
     """Accumulates one linear's input Hessian, then quantizes its weight.
 
     Usage: `g = GPTQ(K)`; `g.add_batch(x)` for every calibration batch (x [*, K], the linear's input);
-    `g.quantize(w, bits, group_size, sym, act_order)` -> QuantizedWeight (or `g.fasterquant(...)` -> GPTQResult).
+    `g.quantize(w, bits, group_size, sym, act_order=...)` -> QuantizedWeight, or `g.fasterquant(...)` ->
+    GPTQResult (with the settled weights and the loss).
     """
 
     def __init__(self, columns: int, device: torch.device | str | None = None):

@@ -1,4 +1,4 @@
-"""Round-to-nearest group quantization with GPTQ's quantizer maths, and the per-group parameter helper GPTQ reuses."""
+"""Round-to-nearest group quantization with GPTQ's quantizer maths, and the group helper GPTQ reuses."""
 
 from __future__ import annotations
 

@@ -45,7 +45,11 @@ def _size(path: Path) -> str:
               help="gptq/awq/rtn: weights per scale along the input dimension (-1: one group per row). It must "
               "divide every layer's input size (SmolLM2's 576 needs 64).")  # fmt: skip
 @click.option(
-    "--act-order", is_flag=True, help="gptq: quantize columns in order of decreasing activation energy."
+    "--act-order",
+    type=click.Choice(["off", "static", "group"]),
+    default=None,
+    help="gptq: quantize columns in order of decreasing activation energy; static keeps groups contiguous "
+    "(plain g_idx, Marlin's fast path), group forms them in that order (desc_act g_idx) [default: static].",
 )
 @click.option("--sym/--asym", default=None,
               help="Symmetric weights, or zero points [default: --sym for gptq/rtn, --asym for awq].")  # fmt: skip
@@ -81,7 +85,7 @@ def _size(path: Path) -> str:
     default=None,
     help="Text for --check [default: a built-in English text of about 1,500 tokens].",
 )
-def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str, group_size: int, act_order: bool,
+def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str, group_size: int, act_order: str | None,
             sym: bool | None, calib: Path | None, calib_samples: int | None, calib_seq_len: int | None,
             damp_percent: float, dtype: str | None, imatrix: Path | None, threads: int | None, force: bool,
             check: bool, check_text: Path | None) -> None:  # fmt: skip
@@ -92,7 +96,7 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
       quantserve convert --src model.gguf --dst model-hf/ --dtype bf16
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --imatrix imatrix.gguf
-      quantserve convert --src model-hf/ --dst model-gptq/ --quant gptq --group-size 128 --act-order
+      quantserve convert --src model-hf/ --dst model-gptq/ --quant gptq --group-size 128 --act-order group
       quantserve convert --src model-hf/ --dst model-awq/ --quant awq --calib my-text.txt
       quantserve convert --src model-gptq/ --dst model-marlin/ --format marlin
     """
@@ -148,7 +152,7 @@ def _fail_if(cond: object, message: str) -> None:
 
 
 def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt: str | None, bits: int,
-                     group_size: int, act_order: bool, sym: bool | None, calib: Path | None,
+                     group_size: int, act_order: str | None, sym: bool | None, calib: Path | None,
                      calib_samples: int | None, calib_seq_len: int | None, damp_percent: float,
                      force: bool) -> str:  # fmt: skip
     from quantserve.converters.quantize import quantize_checkpoint, repack_checkpoint

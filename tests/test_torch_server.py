@@ -1,0 +1,68 @@
+"""`quantserve run DIR --backend torch` on CPU, through the official OpenAI client: the full-precision SmolLM2, and
+GPTQ and AWQ versions of it made by quantserve's own quantizers, each answer the Paris question."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import PARIS, start_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def quantized(smollm2_hf, tmp_path_factory):
+    """GPTQ and AWQ (4-bit, group 64: SmolLM2's K = 576 is not a multiple of 128) from a short calibration run."""
+    from quantserve.converters.quantize import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("quantized")
+    return {
+        m: quantize_checkpoint(
+            smollm2_hf, out / m, m, group_size=64, n_samples=2, seq_len=256, progress=False
+        ).path
+        for m in ("gptq", "awq")
+    }
+
+
+def ask_paris(base_url: str, stream: bool = False) -> str:
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    if stream:
+        parts = client.chat.completions.create(
+            model=model, messages=PARIS, temperature=0, max_tokens=24, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    r = client.chat.completions.create(model=model, messages=PARIS, temperature=0, max_tokens=24)
+    return r.choices[0].message.content
+
+
+def test_full_precision_torch_backend(smollm2_hf, tmp_path):
+    srv = start_server(
+        tmp_path, str(smollm2_hf), "--backend", "torch", "--ctx-size", "1024", "--max-num-seqs", "2"
+    )
+    try:
+        assert "Paris" in ask_paris(srv.base_url)
+        assert ask_paris(srv.base_url, stream=True) == ask_paris(srv.base_url)
+        card = httpx.get(srv.base_url + "/v1/models").json()["data"][0]
+        assert card["meta"]["backend"] == "torch" and card["meta"]["format"] == "safetensors"
+        bad = httpx.post(
+            srv.base_url + "/v1/chat/completions",
+            json={"messages": PARIS, "response_format": {"type": "json_object"}, "max_tokens": 4},
+        )
+        assert bad.status_code == 400 and "llamacpp" in bad.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0
+    assert "backend torch" in srv.log()
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_quantized_torch_backend(quantized, method, tmp_path):
+    srv = start_server(tmp_path, str(quantized[method]), "--backend", "torch", "--ctx-size", "1024")
+    try:
+        assert "Paris" in ask_paris(srv.base_url)
+        card = httpx.get(srv.base_url + "/v1/models").json()["data"][0]
+        assert card["meta"]["format"] == method
+    finally:
+        assert srv.stop() == 0
