@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.conftest import PARIS, start_server
 
@@ -66,3 +67,17 @@ def test_quantized_torch_backend(quantized, method, tmp_path):
         assert card["meta"]["format"] == method
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, auto picks the torch backend")
+def test_auto_serves_gptq_through_llamacpp_without_cuda(quantized, tmp_path):
+    """No GPU: auto dequantizes the GPTQ checkpoint and serves it with llama.cpp (q8_0), and says so."""
+    srv = start_server(
+        tmp_path, str(quantized["gptq"]), "--ctx-size", "1024", "--cache-dir", str(tmp_path / "c")
+    )
+    try:
+        assert "Paris" in ask_paris(srv.base_url)
+        assert httpx.get(srv.base_url + "/v1/models").json()["data"][0]["meta"]["backend"] == "llamacpp"
+    finally:
+        assert srv.stop() == 0
+    assert "backend llamacpp for" in srv.log() and "no CUDA GPU" in srv.log()

@@ -51,9 +51,9 @@ def choose_backend(spec: ModelSpec, requested: str) -> tuple[str, str]:
             "llamacpp",
             "no CUDA GPU: llama.cpp serves dense weights fastest on CPU, after conversion to GGUF",
         )
-    return (
-        "torch",
-        f"no CUDA GPU, and llama.cpp cannot read {spec.format}: the torch backend's CPU path (slow)",
+    return "llamacpp", (
+        f"no CUDA GPU: llama.cpp serves {spec.format} weights faster on CPU than the torch backend's CPU path, "
+        "after dequantization and conversion to GGUF (q8_0 unless --quant says otherwise)"
     )
 
 

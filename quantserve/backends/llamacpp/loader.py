@@ -10,11 +10,30 @@ from quantserve.formats import ModelSpec, detect, read_gguf_info
 
 log = logging.getLogger("quantserve")
 
+QUANTIZED_HF = ("gptq", "awq", "marlin", "compressed-tensors")
+
+
+def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
+    """A GPTQ/AWQ/Marlin/compressed-tensors checkpoint as dense fp16 weights in a temporary directory (llama.cpp
+    reads no such format); the handle keeps the directory alive while the model is served."""
+    import tempfile
+    from pathlib import Path
+
+    from quantserve.converters.dequantize import dequantize_checkpoint
+
+    log.info("backend llamacpp: %s is %s; dequantizing it for conversion to GGUF", spec.path, spec.format)
+    tmp = tempfile.TemporaryDirectory(prefix="quantserve-dequant-")
+    dense = dequantize_checkpoint(spec.directory, Path(tmp.name) / "dense", dtype="float16")
+    return detect(dense), tmp
+
 
 def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
     """`settings` is quantserve.llm.EngineSettings, `entry` the models.toml entry (defaults)."""
     quant = settings.quant or entry.quant or None
     keep_alive = None
+    if spec.format in QUANTIZED_HF:
+        spec, keep_alive = _dequantized(spec)
+        quant = quant or "q8_0"  # the 4-bit values need no more than 8 bits to stay (nearly) exact
     if spec.format == "safetensors":
         from quantserve.insitu import ensure_gguf
 
@@ -24,14 +43,14 @@ def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
             spec.quant.get("dtype", "?"),
             quant or "same precision",
         )
-        gguf_file, keep_alive = ensure_gguf(
+        gguf_file, handle = ensure_gguf(
             spec, quant, cache_dir=settings.cache_dir, use_cache=settings.use_cache
         )
+        keep_alive = handle or keep_alive
         spec = detect(gguf_file)
     elif spec.format != "gguf":
         raise BackendUnavailableError(
-            f"{spec.path} is a {spec.format} checkpoint, which llama.cpp cannot read; serve it with "
-            "--backend torch (or --backend auto)"
+            f"{spec.path} is a {spec.format} checkpoint, which llama.cpp cannot read; serve it with --backend torch"
         )
     elif quant and quant.lower() != str(spec.quant.get("file_type", "")).lower():
         raise ConfigError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,15 +41,6 @@ def _empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> T
     return model
 
 
-def _checkpoint_names(files: tuple[Path, ...]) -> dict[str, Path]:
-    names: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                names[name] = path
-    return names
-
-
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise ModelFileError(
@@ -59,8 +51,10 @@ def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
         param.copy_(value)
 
 
-def _fill_dense(model: Transformer, names: dict[str, Path], skip: set[str]) -> None:
-    """Copy every dense tensor the model has from the checkpoint; complain about what is missing."""
+def _fill_dense(
+    model: Transformer, names: set[str], read: Callable[[str], torch.Tensor], skip: set[str]
+) -> None:
+    """Copy every dense tensor the model has from the checkpoint (`read(name)`); complain about what is missing."""
     params = dict(model.named_parameters(remove_duplicate=False))
     if model.args.tie_word_embeddings or "lm_head.weight" not in names:
         params.pop("lm_head.weight", None)
@@ -75,13 +69,19 @@ def _fill_dense(model: Transformer, names: dict[str, Path], skip: set[str]) -> N
             f"the checkpoint lacks {len(missing)} tensors the {model.args.arch} model needs, e.g. {missing[:3]}; "
             "is it a complete checkpoint of this architecture?"
         )
-    by_file: dict[Path, list[str]] = {}
-    for n in wanted:
-        by_file.setdefault(names[n], []).append(n)
-    for path, group in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for n in group:
-                _copy(wanted[n], f.get_tensor(n), n)
+    for n, p in wanted.items():
+        _copy(p, read(n), n)
+
+
+class _SafetensorsFiles:
+    """Tensors by name across (sharded) safetensors files, read through safetensors' memory map (no pickle)."""
+
+    def __init__(self, files: tuple[Path, ...]):
+        self._handles = [safe_open(str(p), framework="pt") for p in files]
+        self.where = {n: h for h in self._handles for n in h.keys()}  # noqa: SIM118 - safe_open has keys()
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
 
 
 def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
@@ -122,12 +122,12 @@ def load_model(
             _set_module(
                 model, prefix, QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
             )
-        names = {n: Path() for n in ckpt.dense_names()}
         params = dict(model.named_parameters(remove_duplicate=False))
         skip = {n for n in params if n.rsplit(".", 1)[0] in prefixes}
-        _fill_dense_from(model, ckpt, names, skip)
+        _fill_dense(model, set(ckpt.dense_names()), ckpt.read_dense, skip)
     elif spec.format == "safetensors":
-        _fill_dense(model, _checkpoint_names(spec.files), skip=set())
+        files = _SafetensorsFiles(spec.files)
+        _fill_dense(model, set(files.where), files.read, skip=set())
         if quant:
             if quant.lower() not in LOAD_QUANTS:
                 raise ConfigError(
@@ -149,23 +149,6 @@ def load_model(
         time.perf_counter() - t0,
     )
     return model
-
-
-def _fill_dense_from(model: Transformer, ckpt, names: dict[str, Path], skip: set[str]) -> None:
-    """Dense tensors of a quantized checkpoint (embeddings, norms, lm_head), read through its reader."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if model.args.tie_word_embeddings or "lm_head.weight" not in names:
-        params.pop("lm_head.weight", None)
-        if "lm_head.weight" not in names:
-            model.lm_head.weight = model.model.embed_tokens.weight
-    wanted = {n: p for n, p in params.items() if n not in skip}
-    missing = [n for n in wanted if n not in names]
-    if missing:
-        raise ModelFileError(
-            f"the checkpoint lacks {len(missing)} tensors the {model.args.arch} model needs, e.g. {missing[:3]}"
-        )
-    for n, p in wanted.items():
-        _copy(p, ckpt.read_dense(n), n)
 
 
 def _quantize_in_place(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
