@@ -121,3 +121,29 @@ def test_library_chat_answers_paris(smollm2_hf):
         assert "Paris" in asyncio.run(chat())
     finally:
         llm.close()
+
+
+def test_int4_at_load_answers_paris(smollm2_hf):
+    """--quant int4: RTN 4-bit at load, repacked to Marlin, run by the CPU W4A16 kernel."""
+    import quantserve
+    from quantserve.backends.torch.quant_linear import QuantLinear
+
+    llm = quantserve.load(str(smollm2_hf), backend="torch", quant="int4", ctx_size=512, max_num_seqs=1)
+    try:
+        layers = llm.runner.model.model.layers
+        mlp = layers[0].mlp  # group 128 where K allows it (1536), 64 where it does not (576 = 4.5 x 128)
+        assert isinstance(mlp.down_proj, QuantLinear) and (
+            mlp.down_proj.group_size,
+            mlp.up_proj.group_size,
+        ) == (128, 64)
+
+        async def chat() -> str:
+            msgs = [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France?"},
+            ]
+            return "".join([t async for t in llm.chat(msgs, temperature=0, max_tokens=12)])
+
+        assert "Paris" in asyncio.run(chat())
+    finally:
+        llm.close()
