@@ -55,9 +55,14 @@ def _size(path: Path) -> str:
               help="Symmetric weights, or zero points [default: --sym for gptq/rtn, --asym for awq].")  # fmt: skip
 @click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="gptq/awq: UTF-8 calibration text [default: a small built-in text].")  # fmt: skip
-@click.option("--calib-samples", type=int, default=None, help="gptq/awq: calibration sequences [default: 128, "
+@click.option("--calib-samples", type=click.IntRange(min=1), default=None, help="gptq/awq: calibration sequences [default: 128, "
               "or as many as the text gives].")  # fmt: skip
-@click.option("--calib-seq-len", type=int, default=None, help="gptq/awq: tokens per sequence [default: 512].")
+@click.option(
+    "--calib-seq-len",
+    type=click.IntRange(min=16),
+    default=None,
+    help="gptq/awq: tokens per sequence [default: 512].",
+)
 @click.option("--damp-percent", type=float, default=0.01, show_default=True,
               help="gptq: dampening added to the Hessian's diagonal, as a fraction of its mean.")  # fmt: skip
 @click.option(
@@ -103,6 +108,7 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
     from quantserve.converters import gguf_to_hf, hf_to_gguf
     from quantserve.formats import detect
 
+    quant = quant.lower() if quant else None
     try:
         src_fmt = detect(src).format
         if quant in ("gptq", "awq", "rtn") or (fmt and not quant):
@@ -158,6 +164,9 @@ def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt:
     from quantserve.converters.quantize import quantize_checkpoint, repack_checkpoint
 
     if quant is None:  # --format alone: repack an already-quantized checkpoint
+        if calib or act_order or sym is not None:
+            raise ConfigError("repacking (--format without --quant) keeps the weights as they are; drop the "
+                              "quantization options (--act-order, --sym/--asym, --calib)")  # fmt: skip
         out = repack_checkpoint(src, dst, fmt, force=force)
         return f"repacked {src} ({src_fmt}) as {fmt}: {out} ({_size(out)})"
     if src_fmt != "safetensors":

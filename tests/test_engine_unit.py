@@ -229,3 +229,34 @@ def test_per_sequence_kv_does_not_count_cached_prefixes_against_the_pool():
     sched.add(b)
     s = sched.schedule()
     assert s.admitted == [b] and s.evicted == []  # its own slot's cells: nothing to evict
+
+
+def test_block_accounting_never_plans_more_blocks_than_exist():
+    """kv_block_size 16, 4 blocks: a decoding sequence at a block boundary plus two admissions must fit the pool
+    (the planned growth of earlier entries counts against later admissions)."""
+    from quantserve.backends.torch.block_manager import BlockManager
+
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, num_kv_cells=64, max_queue_len=8,
+                          shared_kv=True, kv_block_size=16)  # fmt: skip
+    sched = Scheduler(cfg)
+    blocks = BlockManager(4, 16)
+    a = _seq("a", 16)
+    sched.add(a)
+    for i in range(40):
+        if i == 1:  # a now decodes at a block boundary; b and c arrive
+            for rid, n in (("b", 16), ("c", 32)):
+                sched.add(_seq(rid, n))
+        step = sched.schedule()
+        for seq in step.preempted:  # as LLMEngine does: a preempted sequence gives its blocks back
+            blocks.deallocate(seq.request_id)
+        for seq, n in step.plan:
+            blocks.append_slots(seq.request_id, seq.num_computed + n)  # raises NoFreeBlocks on over-commit
+            seq.num_computed += n
+            if seq.num_uncomputed == 0:
+                seq.tokens.append(1)
+        for seq in [s for s in sched.running if len(s.tokens) >= 40]:
+            sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            blocks.deallocate(seq.request_id)
+        if not sched.has_work():
+            break
+    assert not sched.has_work() and blocks.num_free_blocks == 4

@@ -20,7 +20,9 @@ BACKENDS = {
     "llamacpp": "quantserve.backends.llamacpp.loader:load_llamacpp",
     "torch": "quantserve.backends.torch.loader:load_torch",
 }
-QUANTIZED_HF = ("gptq", "awq", "marlin", "compressed-tensors")
+# What the torch backend can run, known here without importing torch (model.py and weights.py check the same).
+TORCH_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TORCH_LOAD_QUANTS = ("int4",)
 
 
 def _cuda() -> bool:
@@ -31,7 +33,7 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def choose_backend(spec: ModelSpec, requested: str) -> tuple[str, str]:
+def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) -> tuple[str, str]:
     """(backend, reason). Raises BackendUnavailableError for an unknown name."""
     if requested != "auto":
         if requested not in BACKENDS:
@@ -41,6 +43,13 @@ def choose_backend(spec: ModelSpec, requested: str) -> tuple[str, str]:
         return requested, "asked for"
     if spec.format == "gguf":
         return "llamacpp", "GGUF is llama.cpp's own format"
+    arch = next(iter((spec.config or {}).get("architectures") or []), None)
+    if arch not in TORCH_ARCHITECTURES:
+        return "llamacpp", f"the torch backend does not implement {arch or 'this architecture'}"
+    if quant and quant.lower() in TORCH_LOAD_QUANTS:
+        return "torch", f"--quant {quant} is applied at load by the torch backend"
+    if quant:
+        return "llamacpp", f"--quant {quant} is a GGUF type, which llama.cpp serves"
     if _cuda():
         what = (
             "fp16/bf16 weights" if spec.format == "safetensors" else f"{spec.format} weights (Marlin W4A16)"
@@ -58,7 +67,7 @@ def choose_backend(spec: ModelSpec, requested: str) -> tuple[str, str]:
 
 
 def load_backend(requested: str, spec: ModelSpec, settings, entry) -> LoadedModel:
-    name, reason = choose_backend(spec, requested)
+    name, reason = choose_backend(spec, requested, settings.quant or entry.quant or None)
     log.info("backend %s for %s: %s", name, spec.path, reason)
     module, func = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), func)(spec, settings, entry)

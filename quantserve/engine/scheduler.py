@@ -123,13 +123,14 @@ class Scheduler:
             others = self.num_kv_cached - slot_cached if cfg.shared_kv else 0
             if need > kv_free + others + slot_cached - n_cached and self.running:
                 break
+            planned = self._kv_free() - kv_free  # cells this step's plan already takes on
             self.waiting.popleft()
             self._take_slot(seq, slot, n_cached)
-            self._evict(need, evicted)
-            kv_free = self._kv_free()
             admitted.append(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(seq)  # now its cached prefix counts as used
+            self._evict(need + planned, evicted)
+            kv_free = self._kv_free() - planned
             n = min(seq.num_uncomputed, budget, self._fits(seq, kv_free))
             if n > 0:
                 plan.append((seq, n))

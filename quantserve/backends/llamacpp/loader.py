@@ -46,6 +46,8 @@ def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
         gguf_file, handle = ensure_gguf(
             spec, quant, cache_dir=settings.cache_dir, use_cache=settings.use_cache
         )
+        if keep_alive is not None and handle is None:
+            keep_alive.cleanup()  # the GGUF is in the cache; the dequantized copy is no longer needed
         keep_alive = handle or keep_alive
         spec = detect(gguf_file)
     elif spec.format != "gguf":

@@ -13,7 +13,7 @@ from quantserve.backends.torch.model import KVCache, PagedBatch, Transformer
 from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import SampledToken, Sequence
-from quantserve.errors import ConfigError, InvalidRequestError
+from quantserve.errors import ConfigError
 
 log = logging.getLogger("quantserve.torch")
 
@@ -49,13 +49,15 @@ def size_kv_cache(
     if settings.num_kv_tokens:
         return -(-settings.num_kv_tokens // settings.block_size)
     if device.type == "cuda":
+        torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - settings.gpu_memory_utilization) * total - 512 * 2**20  # activations
         blocks = int(budget // per_block)
         if blocks < -(-settings.n_ctx // settings.block_size):
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"only {max(budget, 0) / 2**30:.1f} GiB of GPU memory is left for the KV cache, less than one "
-                f"{settings.n_ctx}-token sequence needs; lower --ctx-size or use a smaller model"
+                f"{settings.n_ctx}-token sequence needs; lower --ctx-size or use a smaller model",
+                param="kv_size",
             )
         return blocks
     return -(-settings.n_ctx * settings.max_num_seqs // settings.block_size)
@@ -78,8 +80,8 @@ class TorchRunner:
         num_blocks = size_kv_cache(model, settings, dtype, device)
         self.block_size = self.kv_block_size = settings.block_size
         self.blocks = BlockManager(num_blocks, self.block_size)
-        # The scheduler counts tokens; when whole blocks run out first, execute raises KVCacheFull and the engine
-        # preempts the newest sequence.
+        # The scheduler counts KV in the same blocks (kv_block_size); should a plan still not fit, execute raises
+        # KVCacheFull and the engine preempts the newest sequence.
         self.n_kv_cells = num_blocks * self.block_size
         if self.n_kv_cells < settings.n_ctx:
             raise ConfigError(

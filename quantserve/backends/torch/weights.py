@@ -24,14 +24,19 @@ from quantserve.formats import ModelSpec
 log = logging.getLogger("quantserve.torch")
 
 QUANTIZED_FORMATS = ("gptq", "awq", "marlin", "compressed-tensors")
-LOAD_QUANTS = {"int4": (4, "rtn")}  # --quant values the torch backend applies at load
+LOAD_QUANTS = ("int4",)  # --quant values the torch backend applies at load (RTN, 4-bit, symmetric)
 
 
-def _empty_model(args: ModelArgs, dtype: torch.dtype, device: torch.device) -> Transformer:
-    """A model with uninitialised parameters (no time spent on random init), rotary tables computed."""
+def _empty_model(
+    args: ModelArgs, dtype: torch.dtype, device: torch.device, drop: list[str] | tuple[str, ...] = ()
+) -> Transformer:
+    """A model with uninitialised parameters in `dtype` (no time spent on random init), rotary tables computed.
+    The linears in `drop` (quantized ones, filled in later) get no dense storage at all: placeholders stand in."""
     with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(args).to(dtype)
+        for prefix in drop:
+            _set_module(model, prefix, nn.Identity())
+    model = model.to_empty(device=device)
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
             m.__init__(args)
@@ -105,36 +110,35 @@ def load_model(
     """
     t0 = time.perf_counter()
     args = ModelArgs.from_hf_config(spec.config or {})
-    model = _empty_model(args, dtype, device)
+    if quant and spec.format in QUANTIZED_FORMATS:
+        raise ConfigError(
+            f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"
+        )
+    if quant and quant.lower() not in LOAD_QUANTS:
+        raise ConfigError(
+            f"--quant {quant} is a GGUF type; the torch backend quantizes at load to "
+            f"{', '.join(LOAD_QUANTS)} (or serve with --backend llamacpp)",
+            param="quant",
+        )
     if spec.format in QUANTIZED_FORMATS:
-        if quant:
-            raise ConfigError(
-                f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"
-            )
         from quantserve.backends.torch.quant_linear import QuantLinear
         from quantserve.formats.quant_read import open_quantized
 
-        ckpt = open_quantized(spec)
-        prefixes = ckpt.linear_prefixes()
-        for prefix in tqdm(prefixes, desc="repack to Marlin", unit="linear", leave=False):
-            qw = ckpt.read_linear(prefix)
-            bias = ckpt.read_bias(prefix)
-            _set_module(
-                model, prefix, QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
-            )
-        params = dict(model.named_parameters(remove_duplicate=False))
-        skip = {n for n in params if n.rsplit(".", 1)[0] in prefixes}
-        _fill_dense(model, set(ckpt.dense_names()), ckpt.read_dense, skip)
+        with open_quantized(spec) as ckpt:
+            prefixes = ckpt.linear_prefixes()
+            model = _empty_model(args, dtype, device, drop=prefixes)
+            for prefix in tqdm(prefixes, desc="repack to Marlin", unit="linear", leave=False):
+                qw, bias = ckpt.read_linear(prefix), ckpt.read_bias(prefix)
+                layer = QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
+                _set_module(model, prefix, layer)
+            params = dict(model.named_parameters(remove_duplicate=False))
+            skip = {n for n in params if n.rsplit(".", 1)[0] in prefixes}
+            _fill_dense(model, set(ckpt.dense_names()), ckpt.read_dense, skip)
     elif spec.format == "safetensors":
+        model = _empty_model(args, dtype, device)
         files = _SafetensorsFiles(spec.files)
         _fill_dense(model, set(files.where), files.read, skip=set())
         if quant:
-            if quant.lower() not in LOAD_QUANTS:
-                raise ConfigError(
-                    f"--quant {quant} is a GGUF type; the torch backend quantizes at load to "
-                    f"{', '.join(LOAD_QUANTS)} (or serve with --backend llamacpp)",
-                    param="quant",
-                )
             _quantize_in_place(model, dtype, device)
     else:
         raise ConfigError(f"the torch backend cannot serve {spec.format} files; use --backend llamacpp")
