@@ -17,6 +17,7 @@ from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.scheduler import SchedulerConfig
 from quantserve.engine.sequence import Sequence
 from quantserve.formats import detect
+from tests.conftest import PARIS
 
 PROMPTS = [
     "The capital of France is",
@@ -104,21 +105,21 @@ def test_cancel_frees_blocks(model_and_tokenizer):
     assert run(engine, runner, PROMPTS[:1], max_tokens=4)[0]  # and the engine still works
 
 
+def greedy_chat(llm, max_tokens: int) -> str:
+    return asyncio.run(_collect(llm.chat(PARIS, temperature=0, max_tokens=max_tokens)))
+
+
+async def _collect(stream) -> str:
+    return "".join([t async for t in stream])
+
+
 def test_library_chat_answers_paris(smollm2_hf):
     import quantserve
 
     llm = quantserve.load(str(smollm2_hf), backend="torch", ctx_size=1024, max_num_seqs=2)
     try:
         assert llm.info.backend == "torch"
-
-        async def chat() -> str:
-            msgs = [
-                {"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the capital of France?"},
-            ]
-            return "".join([t async for t in llm.chat(msgs, temperature=0, max_tokens=20)])
-
-        assert "Paris" in asyncio.run(chat())
+        assert "Paris" in greedy_chat(llm, 20)
     finally:
         llm.close()
 
@@ -130,20 +131,10 @@ def test_int4_at_load_answers_paris(smollm2_hf):
 
     llm = quantserve.load(str(smollm2_hf), backend="torch", quant="int4", ctx_size=512, max_num_seqs=1)
     try:
-        layers = llm.runner.model.model.layers
-        mlp = layers[0].mlp  # group 128 where K allows it (1536), 64 where it does not (576 = 4.5 x 128)
-        assert isinstance(mlp.down_proj, QuantLinear) and (
-            mlp.down_proj.group_size,
-            mlp.up_proj.group_size,
-        ) == (128, 64)
-
-        async def chat() -> str:
-            msgs = [
-                {"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the capital of France?"},
-            ]
-            return "".join([t async for t in llm.chat(msgs, temperature=0, max_tokens=12)])
-
-        assert "Paris" in asyncio.run(chat())
+        mlp = llm.runner.model.model.layers[0].mlp
+        # group 128 where K allows it (1536), 64 where it does not (576 = 4.5 x 128)
+        assert isinstance(mlp.down_proj, QuantLinear)
+        assert (mlp.down_proj.group_size, mlp.up_proj.group_size) == (128, 64)
+        assert "Paris" in greedy_chat(llm, 12)
     finally:
         llm.close()
