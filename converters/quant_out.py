@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import struct
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,7 @@ class WriteOptions:
     force: bool = False
 
 
-class LayerEncoder:
+class LayerEncoder(ABC):
     """Base of a format writer: turns layers into named tensors, then states the quantization_config.
 
     The first layer fixes bits, group size and symmetry, which the format's config states once for all
@@ -109,13 +110,15 @@ class LayerEncoder:
             logger.warning("%s: scales are not exactly representable in %s (pass scale_dtype)", prefix, dtype)
         return out.contiguous()
 
+    @abstractmethod
     def encode(
         self, prefix: str, w: QuantizedWeight, bias: torch.Tensor | None
     ) -> list[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
+        """The layer's tensors, named as the format stores them."""
 
+    @abstractmethod
     def quantization_config(self, left_dense: list[str]) -> dict[str, Any]:
-        raise NotImplementedError
+        """config.json's quantization_config for every layer encoded so far."""
 
     def extra_json(self, qc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Further JSON files of the directory (GPTQ's quantize_config.json)."""
