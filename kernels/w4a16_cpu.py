@@ -125,16 +125,11 @@ class CpuDequantKernel:
         return _linear(x, dequantize_cpu(state), state.perm, bias, state.K)
 
 
-class CpuDenseKernel:
-    """fp32 dequantized weight resident (4*K*N bytes, 8x the packed 4-bit size): fastest on CPU, most memory."""
+class CpuDenseKernel(CpuDequantKernel):
+    """fp32 dequantized weight resident (4*K*N bytes, 8x the packed 4-bit size): fastest on CPU, most memory.
+    Runs what cpu_dequant runs (same can_implement); only prepare and apply differ."""
 
     name = "cpu_dense"
-
-    @classmethod
-    def can_implement(
-        cls, mw: MarlinWeight, x_dtype: torch.dtype, device: torch.device | str
-    ) -> tuple[bool, str]:
-        return _check_cpu(mw, x_dtype, device)
 
     def prepare(self, mw: MarlinWeight) -> CpuW4A16State:
         s = unpack_for_cpu(mw)

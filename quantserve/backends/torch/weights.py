@@ -31,7 +31,8 @@ def _empty_model(
     args: ModelArgs, dtype: torch.dtype, device: torch.device, drop: list[str] | tuple[str, ...] = ()
 ) -> Transformer:
     """A model with uninitialised parameters in `dtype` (no time spent on random init), rotary tables computed.
-    The linears in `drop` (quantized ones, filled in later) get no dense storage at all: placeholders stand in."""
+    The linears in `drop` (quantized ones, replaced by QuantLinear right after) get no dense storage: an
+    nn.Identity holds their place until then."""
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
         for prefix in drop:
