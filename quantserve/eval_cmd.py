@@ -33,16 +33,17 @@ def _gguf_for(model: str, models_file: str | None) -> Path:
         from quantserve.converters.dequantize import dequantize_checkpoint
         from quantserve.insitu import ensure_gguf
 
-        tmp = tempfile.TemporaryDirectory(prefix="quantserve-eval-")
-        _KEEP.append(tmp)
-        dense = dequantize_checkpoint(path, Path(tmp.name) / "dense", dtype="float32")
-        gguf, handle = ensure_gguf(detect(dense), "f32", cache_dir=None, use_cache=False)
+        with tempfile.TemporaryDirectory(
+            prefix="quantserve-eval-"
+        ) as tmp:  # the dense copy goes once converted
+            dense = dequantize_checkpoint(path, Path(tmp) / "dense", dtype="float32")
+            gguf, handle = ensure_gguf(detect(dense), "f32", cache_dir=None, use_cache=False)
         _KEEP.append(handle)
         return gguf
     raise QuantserveError(f"{path} is {spec.format}; eval reads GGUF, dense and GPTQ/AWQ/Marlin checkpoints")
 
 
-_KEEP: list = []  # temporary conversions, alive until the process ends
+_KEEP: list = []  # temporary GGUF conversions, alive until the process ends
 
 
 def _measure(desc: str, score):

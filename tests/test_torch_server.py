@@ -81,3 +81,18 @@ def test_auto_serves_gptq_through_llamacpp_without_cuda(quantized, tmp_path):
     finally:
         assert srv.stop() == 0
     assert "backend llamacpp for" in srv.log() and "no CUDA GPU" in srv.log()
+
+
+def test_eval_ppl_scores_a_gptq_directory(quantized):
+    """`quantserve eval ppl DIR` on a quantized directory: exact dequantization, then llama.cpp's perplexity."""
+    from importlib.resources import files
+
+    from click.testing import CliRunner
+
+    from quantserve.cli import main
+
+    text = str(files("quantserve") / "data/eval.txt")
+    r = CliRunner().invoke(main, ["eval", "ppl", str(quantized["gptq"]), "--text", text, "--threads", "2"])
+    assert r.exit_code == 0, r.output
+    ppl = float(r.output.split("PPL = ")[1].split()[0])
+    assert 5 < ppl < 100  # a working 4-bit model on English prose (SmolLM2 full precision: ~25 on this text)
