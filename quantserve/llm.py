@@ -72,6 +72,7 @@ class LLM:
             prefix_caching=settings.prefix_cache and runner.supports_prefix_cache,
             shared_kv=runner.kv_unified,
             kv_block_size=runner.kv_block_size,
+            pack_slots=runner.batches_slot_runs,
         )
         self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()

@@ -198,15 +198,18 @@ def test_shared_pool_evicts_oldest_cached_prefix_when_cells_are_needed():
     for s in (a, b):
         sched.add(s)
     _run(sched, sched.schedule().plan)
-    sched.finish(a, SequenceStatus.FINISHED_STOPPED)  # cached first: evicted first
-    sched.finish(b, SequenceStatus.FINISHED_STOPPED)
+    assert (a.seq_id, b.seq_id) == (0, 1)
+    sched.finish(b, SequenceStatus.FINISHED_STOPPED)  # cached first: evicted first
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED)
     assert sched.num_kv_cached == 16
-    c = _seq("c", 10)
-    c.tokens = [3] * 10  # shares nothing; needs 10 of the 4 free cells
+    c = _seq("c", 14)
+    c.tokens = [
+        3
+    ] * 14  # shares nothing; goes to the lowest slot (a's), and needs more than 4 free + a's 8 cells
     sched.add(c)
     s = sched.schedule()
-    assert s.admitted == [c] and s.evicted == [a.seq_id]
-    assert list(sched.slot_tokens) == [b.seq_id] and sched.num_kv_used + sched.num_kv_cached <= 20
+    assert s.admitted == [c] and c.seq_id == a.seq_id and s.evicted == [b.seq_id]
+    assert sched.slot_tokens == {} and sched.num_kv_used + sched.num_kv_cached <= 20
 
 
 def test_per_sequence_kv_does_not_count_cached_prefixes_against_the_pool():
@@ -260,3 +263,54 @@ def test_block_accounting_never_plans_more_blocks_than_exist():
         if not sched.has_work():
             break
     assert not sched.has_work() and blocks.num_free_blocks == 4
+
+
+def _packing_scheduler(max_num_seqs: int) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=4096,
+            num_kv_cells=max_num_seqs * 1000,
+            max_queue_len=8,
+            prefix_caching=True,
+            shared_kv=False,
+            pack_slots=True,
+        )
+    )
+
+
+def test_packed_slots_prefer_the_lowest_free_slot_over_a_short_cached_prefix():
+    """llama.cpp computes each run of consecutive seq ids as its own weight pass, so a new sequence fills the
+    lowest free slot rather than a higher one that only shares a chat template's head."""
+    sched = _packing_scheduler(4)
+    system = list(range(100, 130))
+    seqs = [_seq(str(i), 0) for i in range(4)]
+    for i, s in enumerate(seqs):
+        s.tokens = system + [i] * 5
+        sched.add(s)
+    _run(sched, sched.schedule().plan)
+    assert [s.seq_id for s in seqs] == [0, 1, 2, 3]
+    for s in seqs[1:]:  # 1..3 finish; 0 keeps running
+        sched.finish(s, SequenceStatus.FINISHED_STOPPED)
+    new = _seq("new", 0)
+    new.tokens = system + [3] * 5  # slot 3 holds 34 reusable tokens, slot 1 holds 30
+    sched.add(new)
+    sched.schedule()
+    assert new.seq_id == 1 and new.num_computed == len(system)  # slot 1's shared head is still reused
+
+
+def test_packed_slots_still_return_a_long_conversation_to_its_own_slot():
+    sched = _packing_scheduler(3)
+    a, b, c = _seq("a", 0), _seq("b", 0), _seq("c", 0)
+    a.tokens, b.tokens, c.tokens = [1] * 10, [2] * 10, [3] * 400
+    for s in (a, b, c):
+        sched.add(s)
+    _run(sched, sched.schedule().plan)
+    assert c.seq_id == 2
+    for s in (b, c):
+        sched.finish(s, SequenceStatus.FINISHED_STOPPED)
+    turn2 = _seq("turn2", 0)
+    turn2.tokens = [3] * 400 + [4] * 20  # the conversation goes on: 400 cached tokens are worth a gap
+    sched.add(turn2)
+    sched.schedule()
+    assert turn2.seq_id == 2 and turn2.num_computed == 400

@@ -22,6 +22,7 @@ class ModelRunner(Protocol):
     kv_unified: bool  # one pool for all sequences (else n_kv_cells / max_num_seqs each)
     supports_prefix_cache: bool  # free slots may keep their KV for the next request's shared prefix
     kv_block_size: int  # KV is allocated in blocks of this many tokens (1: per token)
+    batches_slot_runs: bool  # one pass over the weights per run of consecutive slot ids (else one per batch)
 
     def adds_bos(self) -> bool: ...
 

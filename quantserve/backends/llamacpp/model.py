@@ -115,6 +115,8 @@ class LlamaCppRunner:
             )
         self.n_kv_cells = lc.llama_n_ctx(self.ctx)
         self.kv_unified = settings.kv_unified
+        # Per-sequence KV streams: see execute. The unified pool batches any set of sequences in one pass.
+        self.batches_slot_runs = not settings.kv_unified
         log.info(
             "KV cache: %d cells (%s), %s, flash attention %s",
             self.n_kv_cells,
@@ -191,8 +193,12 @@ class LlamaCppRunner:
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
         b = self.batch
         i = 0
-        out_idx: list[int] = []
-        for seq, n in plan:
+        out_idx = [-1] * len(plan)
+        # Per-sequence KV: llama.cpp cuts a batch into one ubatch per run of consecutive, increasing seq ids, in
+        # batch order (split_equal), and each ubatch is a full pass over the weights. So the batch is written in
+        # seq id order: 8 decodes in one pass take 22 ms here, in the scheduler's order 36 ms.
+        for k in sorted(range(len(plan)), key=lambda k: plan[k][0].seq_id):
+            seq, n = plan[k]
             start = seq.num_computed
             toks = seq.tokens
             sid = seq.seq_id
@@ -203,10 +209,9 @@ class LlamaCppRunner:
                 b.seq_id[i][0] = sid
                 b.logits[i] = 0
                 i += 1
-            done = start + n == len(toks)
-            if done:
+            if start + n == len(toks):
                 b.logits[i - 1] = 1
-            out_idx.append(i - 1 if done else -1)
+                out_idx[k] = i - 1
         b.n_tokens = i
         rc = lc.llama_decode(self.ctx, b)
         if rc != 0:

@@ -68,6 +68,7 @@ class TorchRunner:
 
     kv_unified = True  # one block pool for all sequences
     supports_prefix_cache = False  # blocks are freed when a sequence ends
+    batches_slot_runs = False  # any set of sequences is one batch
 
     def __init__(self, model: Transformer, tokenizer, settings: TorchSettings, device: torch.device):
         self.model = model

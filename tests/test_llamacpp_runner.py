@@ -1,0 +1,50 @@
+"""LlamaCppRunner on the real SmolLM2 GGUF: how a step's batch is laid out, and that the layout changes no token."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.sampling_params import SamplingParams
+from quantserve.engine.sequence import Sequence
+
+PROMPTS = ["The capital of France is", "Once upon a time, a dragon", "def fibonacci(n):", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_gguf):
+    r = LlamaCppRunner(smollm2_gguf, LlamaCppSettings(n_ctx=256, max_num_seqs=4, n_threads=2))
+    yield r
+    r.close()
+
+
+def _greedy(runner, placed: list[tuple[int, int]], steps: int) -> list[list[int]]:
+    """Run (prompt index, slot) pairs together, in that plan order: one batch prefills every prompt, then each
+    step decodes them all. Returns each sequence's greedy tokens."""
+    seqs = []
+    for i, slot in placed:
+        toks = runner.tokenize(PROMPTS[i], add_special=True, parse_special=False)
+        params = SamplingParams(temperature=0.0, max_tokens=steps)
+        seq = Sequence(str(i), toks, params, IncrementalDetokenizer(), max_total_tokens=256)
+        seq.seq_id = slot
+        seqs.append(seq)
+    for _ in range(steps):
+        results = runner.execute([(s, s.num_uncomputed) for s in seqs])
+        ids = [runner.batch.seq_id[i][0] for i in range(runner.batch.n_tokens)]
+        assert ids == sorted(ids), f"batch not in seq id order: {ids}"
+        for seq, r in zip(seqs, results, strict=True):
+            seq.tokens.append(r.token)
+    for s in seqs:
+        runner.free(s)
+    return [s.output_tokens for s in seqs]
+
+
+def test_batch_is_written_in_seq_id_order_and_results_come_back_in_plan_order(runner):
+    """llama.cpp splits a per-sequence-KV batch into one weight pass per run of consecutive, increasing seq ids,
+    in batch order, so the runner writes the batch sorted by seq id. Batched in a scrambled plan order, every
+    sequence must still get exactly the tokens it gets alone, and no KV may be left behind."""
+    alone = [_greedy(runner, [(i, 3)], 12)[0] for i in range(len(PROMPTS))]
+    assert len({tuple(t) for t in alone}) == len(PROMPTS)  # distinct answers: a mix-up would show
+    assert _greedy(runner, [(0, 2), (1, 0), (2, 3), (3, 1)], 12) == alone
+    assert runner.num_kv_used() == 0
