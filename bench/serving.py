@@ -1,7 +1,10 @@
 """Serving benchmark: quantserve vs llama-cpp-python's server (and llama.cpp's llama-server), one at a time.
 
-Usage: .venv/bin/python bench/serving.py [--quick] [--threads 2] [--llama-server PATH]
+Usage: .venv/bin/python bench/serving.py [--quick] [--rounds 3] [--threads 2] [--llama-server PATH]
 Writes bench/results/serving-<date>.md and .json.
+
+A shared VM's speed drifts by several percent from minute to minute, so every server is measured in each of
+--rounds rounds (servers in turn, alone on the machine), and each level reports its median round.
 """
 
 from __future__ import annotations
@@ -229,17 +232,37 @@ def measure(
     prompts: tuple[str, ...],
     max_tokens: int,
     ready_timeout: float,
-) -> tuple[dict[str, list[LoadResult]], dict[str, str], Path]:
-    """Each server in turn, alone on the machine: start, load it at every level, stop (also on Ctrl-C).
+    rounds: int,
+) -> tuple[list[dict[str, list[LoadResult]]], dict[str, str], Path]:
+    """`rounds` times, each server in turn, alone on the machine: start, load it at every level, stop (also on
+    Ctrl-C). A server that will not start is dropped from later rounds.
 
-    Returns the results, the servers that would not start (name → message naming its log), the log folder.
+    Returns each round's results, the servers that would not start (name → message naming its log), the log folder.
     """
-    runs: dict[str, list[LoadResult]] = {}
+    all_runs: list[dict[str, list[LoadResult]]] = []
     failed: dict[str, str] = {}
     log_dir = Path(tempfile.mkdtemp(prefix="qs-serving-"))
+    for k in range(rounds):
+        print(f"== round {k + 1}/{rounds}", file=sys.stderr)
+        live = [sd for sd in defs if sd.name not in failed]
+        all_runs.append(measure_round(live, levels, prompts, max_tokens, ready_timeout, log_dir, k, failed))
+    return all_runs, failed, log_dir
+
+
+def measure_round(
+    defs: list[ServerDef],
+    levels: dict[int, int],
+    prompts: tuple[str, ...],
+    max_tokens: int,
+    ready_timeout: float,
+    log_dir: Path,
+    k: int,
+    failed: dict[str, str],
+) -> dict[str, list[LoadResult]]:
+    runs: dict[str, list[LoadResult]] = {}
     for sd in defs:
         print(f"== {sd.name}: {shlex.join(sd.cmd)}", file=sys.stderr)
-        log_path = log_dir / f"{sd.name}.log"
+        log_path = log_dir / f"{sd.name}-{k + 1}.log"
         proc = start(sd, log_path)
         try:
             try:
@@ -264,10 +287,35 @@ def measure(
                 runs[sd.name].append(r)
         finally:
             stop(proc)
-    return runs, failed, log_dir
+    return runs
 
 
-def write_report(stem: Path, info: dict, runs: dict[str, list[LoadResult]]) -> None:
+def median_runs(all_runs: list[dict[str, list[LoadResult]]]) -> dict[str, list[LoadResult]]:
+    """Per server and level, the round with the median tok/s (a whole measurement, not a mix of medians)."""
+    out: dict[str, list[LoadResult]] = {}
+    for name in all_runs[0]:
+        per_level = zip(*(runs[name] for runs in all_runs if name in runs), strict=True)
+        out[name] = [sorted(rs, key=lambda r: r.agg_tok_s)[(len(rs) - 1) // 2] for rs in per_level]
+    return out
+
+
+def rounds_md(all_runs: list[dict[str, list[LoadResult]]]) -> str:
+    n = len(all_runs)
+    lines = [
+        "| server | conc | " + " | ".join(f"round {k + 1}" for k in range(n)) + " | spread |",
+        "|---|---|" + "---|" * (n + 1),
+    ]
+    for name in all_runs[0]:
+        for i, r0 in enumerate(all_runs[0][name]):
+            toks = [runs[name][i].agg_tok_s for runs in all_runs if name in runs]
+            spread = (max(toks) - min(toks)) / (sorted(toks)[(len(toks) - 1) // 2] or 1)
+            cells = " | ".join(f"{t:.1f}" for t in toks)
+            lines.append(f"| {name} | {r0.concurrency} | {cells} | {100 * spread:.0f} % |")
+    return "\n".join(lines)
+
+
+def write_report(stem: Path, info: dict, all_runs: list[dict[str, list[LoadResult]]]) -> None:
+    runs = median_runs(all_runs)
     summary = summary_md(runs)
     ratio_table, ratio_rows = ratio_md(runs)
     detail = render_table([(name, r) for name, rs in runs.items() for r in rs])
@@ -288,6 +336,7 @@ def write_report(stem: Path, info: dict, runs: dict[str, list[LoadResult]]) -> N
 - versions: {", ".join(f"{k} {v}" for k, v in info["versions"].items())}
 - load: chat, stream, temperature 0, {st["max_tokens"]} max tokens, 1 warmup request per level,
   requests per level (concurrency: requests) {st["num_requests"]}; tok/s = output tokens / wall time
+- {len(all_runs)} rounds, servers in turn, one at a time; every row below is the round with the median tok/s
 - command: `{info["command"]}`
 
 {server_lines}
@@ -305,10 +354,19 @@ tok/s: higher is better; TTFT and TPOT: lower is better.
 ## Detail
 
 {detail}
+
+## tok/s in every round
+
+{rounds_md(all_runs)}
 """
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text(md)
-    doc = {**info, "results": {n: [r.to_dict() for r in rs] for n, rs in runs.items()}, "ratios": ratio_rows}
+    doc = {
+        **info,
+        "results": {n: [r.to_dict() for r in rs] for n, rs in runs.items()},
+        "ratios": ratio_rows,
+        "rounds": [{n: [r.to_dict() for r in rs] for n, rs in runs_k.items()} for runs_k in all_runs],
+    }
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
@@ -330,7 +388,10 @@ def main() -> int:
         choices=[QUANTSERVE, QUANTSERVE_UNIFIED, LCPP, NATIVE],
         help="measure only these servers",
     )
-    ap.add_argument("--quick", action="store_true", help="a smoke run: few requests, 32 tokens")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few requests, 32 tokens, 1 round")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="rounds over all servers (default 3; 1 with --quick)"
+    )
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
@@ -357,8 +418,11 @@ def main() -> int:
     defs = [d for d in defs if not args.only or d.name in args.only]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server on SIGTERM too
 
-    runs, failed, log_dir = measure(defs, levels, prompts, max_tokens, args.ready_timeout)
-    if not runs:
+    rounds = args.rounds or (1 if args.quick else 3)
+    if rounds < 1:
+        ap.error("--rounds must be at least 1")
+    all_runs, failed, log_dir = measure(defs, levels, prompts, max_tokens, args.ready_timeout, rounds)
+    if not all_runs[0]:
         return 1
 
     now = dt.datetime.now()
@@ -371,7 +435,7 @@ def main() -> int:
         "date": now.isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": {"path": str(gguf), "size_bytes": gguf.stat().st_size},
-        "versions": versions(native if NATIVE in runs else None),
+        "versions": versions(native if NATIVE in all_runs[0] else None),
         "settings": {
             "threads": args.threads,
             "concurrency": args.concurrency,
@@ -384,12 +448,13 @@ def main() -> int:
             "n_ctx": args.n_ctx,
             "max_num_seqs": args.max_num_seqs,
             "quick": args.quick,
+            "rounds": rounds,
         },
         "command": shlex.join([sys.executable, *sys.argv]),
         "servers": {sd.name: {"cmd": shlex.join(sd.cmd), "ignore_eos": sd.ignore_eos} for sd in defs},
         "failed": failed,
     }
-    write_report(stem, info, runs)
+    write_report(stem, info, all_runs)
     print(f"wrote {stem.with_suffix('.md')} and .json (server logs in {log_dir})", file=sys.stderr)
     return 1 if failed else 0
 
