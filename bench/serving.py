@@ -281,6 +281,9 @@ def measure_round(
                     max_tokens=max_tokens,
                     ignore_eos=sd.ignore_eos,
                     warmup=1,
+                    # "[c8.12] ...": no prompt repeats within a server's life, so no server answers one from its
+                    # prompt cache (llama-server keeps whole prompts in RAM; an earlier level's would hit it).
+                    tag=f"c{c}",
                 )
                 r = asyncio.run(run_load(spec))
                 print(f"   c={c}: {r.agg_tok_s:.1f} tok/s, {r.num_errors} errors", file=sys.stderr)
@@ -410,10 +413,7 @@ def main() -> int:
     gguf = resolve(args.model, load_registry(find_models_toml(ROOT / "models.toml"))).path
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     levels = {c: args.num_requests or (max(2, c) if args.quick else max(8, 4 * c)) for c in args.concurrency}
-    # Distinct from the first token on, so no server answers a repeated prompt from its prefix cache.
-    prompts = tuple(
-        f"Request {i}: {DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]}" for i in range(1 + max(levels.values()))
-    )
+    prompts = DEFAULT_PROMPTS  # every request gets its own tag: see measure_round
     defs = server_defs(gguf, args.threads, args.n_ctx, args.max_num_seqs, native)
     defs = [d for d in defs if not args.only or d.name in args.only]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server on SIGTERM too

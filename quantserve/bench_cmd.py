@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import sys
 from pathlib import Path
 
@@ -122,9 +123,12 @@ def bench(
     except ConfigError as exc:
         raise click.BadParameter(exc.message) from exc
 
+    # Built-in and synthetic prompts get a tag per run and level, so no request repeats an earlier prompt (a
+    # server's prompt cache would otherwise answer it); prompts from a file are sent exactly as written.
+    run_id = None if prompts_file else secrets.token_hex(2)
     results: dict[str, list] = {label: [] for label, _ in targets}
     for label, base in targets:
-        for c in concurrency:
+        for level, c in enumerate(concurrency):
             spec = lg.LoadSpec(
                 base_url=base,
                 concurrency=c,
@@ -139,6 +143,7 @@ def bench(
                 api_key=api_key,
                 timeout=timeout,
                 warmup=warmup,
+                tag=run_id and f"{run_id}.{level}",
             )
             click.echo(
                 f"{label} {base}: c={c}, {spec.num_requests} requests, {max_tokens} max tokens …", err=True

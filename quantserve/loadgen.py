@@ -63,6 +63,14 @@ class LoadSpec:
     api_key: str | None = None
     timeout: float = 600.0  # per request; a single-sequence server queues requests for a long time
     warmup: int = 0  # requests sent one at a time before the clock starts, excluded from every number
+    # Set: request k's prompt starts "[tag.k] ", so no two requests share a prompt and no server can answer one
+    # from a cached earlier one (llama-server keeps whole prompts in RAM). Pick a tag per load: levels and runs
+    # that reuse prompts would otherwise measure prompt caching, not serving.
+    tag: str | None = None
+
+    def prompt(self, k: int) -> str:
+        text = self.prompts[k % len(self.prompts)]
+        return f"[{self.tag}.{k}] {text}" if self.tag else text
 
 
 @dataclass(frozen=True)
@@ -280,12 +288,12 @@ async def run_load(spec: LoadSpec) -> LoadResult:
     records: list[RequestResult] = []
     async with _client(spec.base_url, workers, spec.timeout) as client:
         for i in range(spec.warmup):
-            await _one(client, spec, spec.prompts[i % len(spec.prompts)])
+            await _one(client, spec, spec.prompt(i))
         counter = itertools.count()  # shared by the workers; asyncio runs one at a time, so next() is safe
 
         async def worker() -> None:
             while (i := next(counter)) < spec.num_requests:
-                records.append(await _one(client, spec, spec.prompts[(spec.warmup + i) % len(spec.prompts)]))
+                records.append(await _one(client, spec, spec.prompt(spec.warmup + i)))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(workers)))

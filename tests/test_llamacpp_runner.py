@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import Sequence
@@ -48,3 +49,27 @@ def test_batch_is_written_in_seq_id_order_and_results_come_back_in_plan_order(ru
     assert len({tuple(t) for t in alone}) == len(PROMPTS)  # distinct answers: a mix-up would show
     assert _greedy(runner, [(0, 2), (1, 0), (2, 3), (3, 1)], 12) == alone
     assert runner.num_kv_used() == 0
+
+
+def _generate(runner, prompt: str, params: SamplingParams, steps: int) -> list[int]:
+    toks = runner.tokenize(prompt, add_special=True, parse_special=False)
+    seq = Sequence("g", toks, params, IncrementalDetokenizer(), max_total_tokens=256)
+    seq.seq_id = 0
+    for _ in range(steps):
+        (r,) = runner.execute([(seq, seq.num_uncomputed)])
+        seq.tokens.append(r.token)
+    runner.free(seq)
+    return seq.output_tokens
+
+
+def test_plain_greedy_argmax_equals_llama_cpp_greedy_sampler(runner):
+    """Plain greedy skips llama.cpp's sampler chain (an argmax in numpy); a zero logit bias forces the chain
+    (logit bias → greedy) without changing any logit. Both must pick the same tokens."""
+    plain = SamplingParams(temperature=0.0, max_tokens=24)
+    chained = SamplingParams(temperature=0.0, max_tokens=24, logit_bias=((0, 0.0),))
+    for params, expected in ((plain, True), (chained, False)):
+        chain = SamplerChain(runner.vocab, runner.n_vocab, params)
+        assert chain.plain_greedy is expected
+        chain.close()
+    for prompt in PROMPTS:
+        assert _generate(runner, prompt, plain, 24) == _generate(runner, prompt, chained, 24)

@@ -31,6 +31,7 @@ from quantserve.loadgen_report import ratios, render_ratio, render_table
 from tests.conftest import free_port
 
 TOKEN_DELAY_S = 0.002
+RECEIVED: list[str] = []  # every prompt the fake server got, in arrival order
 
 
 def _fake_app() -> FastAPI:
@@ -50,6 +51,7 @@ def _fake_app() -> FastAPI:
     async def generate(request: Request, chat: bool):
         body = await request.json()
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        RECEIVED.append(prompt)
         if "FAIL" in prompt:
             return JSONResponse({"error": {"message": "the server is overloaded"}}, status_code=503)
         n = body.get("max_tokens") or 16
@@ -186,6 +188,24 @@ def test_stream_without_done_is_an_error(fake_url):
     r = _run(base_url=fake_url, concurrency=1, num_requests=2, max_tokens=3, model="no-done")
     assert (r.num_ok, r.num_errors, r.output_tokens) == (0, 2, 0)
     assert r.errors == ("the stream ended without data: [DONE] (x2)",)
+
+
+def test_a_tag_makes_every_prompt_distinct_warmup_included(fake_url):
+    RECEIVED.clear()
+    r = _run(
+        base_url=fake_url,
+        concurrency=2,
+        num_requests=5,
+        max_tokens=2,
+        prompts=("a", "b"),
+        warmup=1,
+        tag="x.0",
+    )
+    assert r.num_ok == 5
+    assert sorted(RECEIVED) == sorted(f"[x.0.{k}] {'ab'[k % 2]}" for k in range(6))
+    RECEIVED.clear()
+    _run(base_url=fake_url, concurrency=1, num_requests=3, max_tokens=2, prompts=("a", "b"))
+    assert RECEIVED == ["a", "b", "a"]  # untagged (prompt files): sent as written
 
 
 def test_unreachable_server_gives_errors_and_wait_ready_raises():
