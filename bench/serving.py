@@ -338,7 +338,8 @@ def write_report(stem: Path, info: dict, all_runs: list[dict[str, list[LoadResul
 - model: `{mod["path"]}` ({mod["size_bytes"] / 2**20:.1f} MiB)
 - versions: {", ".join(f"{k} {v}" for k, v in info["versions"].items())}
 - load: chat, stream, temperature 0, {st["max_tokens"]} max tokens, 1 warmup request per level,
-  requests per level (concurrency: requests) {st["num_requests"]}; tok/s = output tokens / wall time
+  requests per level (concurrency: requests) {st["num_requests"]}; tok/s = output tokens / wall time;
+  no prompt repeats within a server's life (each request's starts with its own "[c8.12]" tag)
 - {len(all_runs)} rounds, servers in turn, one at a time; every row below is the round with the median tok/s
 - command: `{info["command"]}`
 

@@ -39,9 +39,18 @@ EXIT_UNREACHABLE = 2
     help="requests per concurrency level [default: max(8, 4 x concurrency)]",
 )
 @click.option(
-    "--prompts", "prompts_file", type=click.Path(dir_okay=False), help="text (one a line) or JSONL file"
+    "--prompts",
+    "prompts_file",
+    type=click.Path(dir_okay=False),
+    help="text (one a line) or JSONL file, sent as written (default: built-in prompts, each request's tagged "
+    "'[run.level.k]' so no server can answer one from its prompt cache)",
 )
-@click.option("--prompt-len", type=click.IntRange(min=1), default=None, help="synthetic prompts of ~N words")
+@click.option(
+    "--prompt-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="synthetic prompts of ~N words (tagged too)",
+)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--endpoint", type=click.Choice(["chat", "completions"]), default="chat", show_default=True)

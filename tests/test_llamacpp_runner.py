@@ -13,9 +13,10 @@ from quantserve.engine.sequence import Sequence
 PROMPTS = ["The capital of France is", "Once upon a time, a dragon", "def fibonacci(n):", "Water boils at"]
 
 
-@pytest.fixture(scope="module")
-def runner(smollm2_gguf):
-    r = LlamaCppRunner(smollm2_gguf, LlamaCppSettings(n_ctx=256, max_num_seqs=4, n_threads=2))
+@pytest.fixture(scope="module", params=[None, False], ids=["flash-attn-auto", "flash-attn-off"])
+def runner(smollm2_gguf, request):
+    settings = LlamaCppSettings(n_ctx=256, max_num_seqs=4, n_threads=2, flash_attn=request.param)
+    r = LlamaCppRunner(smollm2_gguf, settings)
     yield r
     r.close()
 
