@@ -185,13 +185,15 @@ def versions(native: Path | None) -> dict:
     return v
 
 
+@dataclass(frozen=True)
+class Load:
+    levels: dict[int, int]  # concurrency -> requests
+    max_tokens: int
+    ready_timeout: float
+
+
 def measure(
-    defs: list[ServerDef],
-    levels: dict[int, int],
-    prompts: tuple[str, ...],
-    max_tokens: int,
-    ready_timeout: float,
-    rounds: int,
+    defs: list[ServerDef], load: Load, rounds: int
 ) -> tuple[list[dict[str, list[LoadResult]]], dict[str, str], Path]:
     """`rounds` times, each server in turn, alone on the machine: start, load it at every level, stop (also on
     Ctrl-C). A server that will not start is dropped from later rounds.
@@ -204,19 +206,12 @@ def measure(
     for k in range(rounds):
         print(f"== round {k + 1}/{rounds}", file=sys.stderr)
         live = [sd for sd in defs if sd.name not in failed]
-        all_runs.append(measure_round(live, levels, prompts, max_tokens, ready_timeout, log_dir, k, failed))
+        all_runs.append(measure_round(live, load, log_dir, k, failed))
     return all_runs, failed, log_dir
 
 
 def measure_round(
-    defs: list[ServerDef],
-    levels: dict[int, int],
-    prompts: tuple[str, ...],
-    max_tokens: int,
-    ready_timeout: float,
-    log_dir: Path,
-    k: int,
-    failed: dict[str, str],
+    defs: list[ServerDef], load: Load, log_dir: Path, k: int, failed: dict[str, str]
 ) -> dict[str, list[LoadResult]]:
     runs: dict[str, list[LoadResult]] = {}
     for sd in defs:
@@ -225,19 +220,19 @@ def measure_round(
         proc = start(sd, log_path)
         try:
             try:
-                wait_serving(sd, proc, log_path, ready_timeout)
+                wait_serving(sd, proc, log_path, load.ready_timeout)
             except RuntimeError as exc:  # one server that will not start should not cost the others' numbers
                 print(f"error: {exc}", file=sys.stderr)
                 failed[sd.name] = str(exc)
                 continue
             runs[sd.name] = []
-            for c, n in levels.items():
+            for c, n in load.levels.items():
                 spec = LoadSpec(
                     base_url=f"http://127.0.0.1:{sd.port}",
                     concurrency=c,
                     num_requests=n,
-                    prompts=prompts,
-                    max_tokens=max_tokens,
+                    prompts=DEFAULT_PROMPTS,
+                    max_tokens=load.max_tokens,
                     ignore_eos=sd.ignore_eos,
                     warmup=1,
                     # "[c8.12] ...": no prompt repeats within a server's life, so no server answers one from its
@@ -292,7 +287,6 @@ def main() -> int:
     gguf = resolve(args.model, load_registry(find_models_toml(ROOT / "models.toml"))).path
     max_tokens = args.max_tokens or (32 if args.quick else 128)
     levels = {c: args.num_requests or (max(2, c) if args.quick else max(8, 4 * c)) for c in args.concurrency}
-    prompts = DEFAULT_PROMPTS  # every request gets its own tag: see measure_round
     defs = server_defs(gguf, args.threads, args.n_ctx, args.max_num_seqs, native)
     defs = [d for d in defs if not args.only or d.name in args.only]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the server on SIGTERM too
@@ -300,7 +294,7 @@ def main() -> int:
     rounds = args.rounds or (1 if args.quick else 3)
     if rounds < 1:
         ap.error("--rounds must be at least 1")
-    all_runs, failed, log_dir = measure(defs, levels, prompts, max_tokens, args.ready_timeout, rounds)
+    all_runs, failed, log_dir = measure(defs, Load(levels, max_tokens, args.ready_timeout), rounds)
     if not all_runs[0]:
         return 1
 
