@@ -181,6 +181,7 @@ def bench(
                 "temperature": temperature,
                 "warmup": warmup,
                 "prompts": prompts_file or (f"synthetic:{prompt_len}" if prompt_len else "builtin"),
+                "prompt_tag": run_id,  # request k of level i starts "[prompt_tag.i.k] "; null: sent as written
             },
             "runs": [
                 {"server": label, "url": base, "model": models[label], **r.to_dict(include_requests=True)}

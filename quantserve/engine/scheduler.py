@@ -162,8 +162,9 @@ class Scheduler:
         return sum(self._growth(s, 1) for s in self.running)
 
     def _pick_slot(self, seq: Sequence) -> tuple[int, int]:
-        """The free slot whose cached tokens share the longest prefix with `seq`, and how many tokens it can reuse
-        (never the last: its logits are needed). Without prefix caching, any free slot and 0."""
+        """The free slot for `seq` and how many of its cached tokens `seq` reuses (never its last token: its logits
+        are needed). With prefix caching, the slot sharing the longest prefix (pack_slots: the lowest free slot unless
+        that saves PACK_MIN_PREFIX_GAIN more tokens); without, the lowest free slot and 0."""
         lowest = min(self._free_slots)
         if not self.config.prefix_caching:
             return lowest, 0
