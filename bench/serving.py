@@ -267,7 +267,10 @@ def main() -> int:
     )
     ap.add_argument("--quick", action="store_true", help="a smoke run: few requests, 32 tokens, 1 round")
     ap.add_argument(
-        "--rounds", type=int, default=None, help="rounds over all servers (default 3; 1 with --quick)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds over all servers (default 3; 1 with --quick); each cell reports the median round",
     )
     ap.add_argument("--ready-timeout", type=float, default=180.0)
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench/results")

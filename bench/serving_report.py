@@ -12,7 +12,8 @@ QUANTSERVE = "quantserve"  # every server whose name starts with this is ours; t
 
 
 def median_runs(all_runs: list[dict[str, list[LoadResult]]]) -> dict[str, list[LoadResult]]:
-    """Per server and level, the round with the median tok/s (a whole measurement, not a mix of medians)."""
+    """Per server and level, the round with the median tok/s (a whole measurement, not a mix of medians); with an
+    even number of rounds, the slower of the two middle ones."""
     out: dict[str, list[LoadResult]] = {}
     for name in all_runs[0]:
         per_level = zip(*(runs[name] for runs in all_runs if name in runs), strict=True)
@@ -70,9 +71,10 @@ def rounds_md(all_runs: list[dict[str, list[LoadResult]]]) -> str:
     ]
     for name in all_runs[0]:
         for i, r0 in enumerate(all_runs[0][name]):
-            toks = [runs[name][i].agg_tok_s for runs in all_runs if name in runs]
+            per_round = [runs[name][i].agg_tok_s if name in runs else None for runs in all_runs]
+            toks = [t for t in per_round if t is not None]  # a server that failed to start in a later round
             spread = (max(toks) - min(toks)) / (sorted(toks)[(len(toks) - 1) // 2] or 1)
-            cells = " | ".join(f"{t:.1f}" for t in toks)
+            cells = " | ".join("-" if t is None else f"{t:.1f}" for t in per_round)
             lines.append(f"| {name} | {r0.concurrency} | {cells} | {100 * spread:.0f} % |")
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ import pytest
 
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.scheduler import Scheduler, SchedulerConfig
+from quantserve.engine.scheduler import PACK_MIN_PREFIX_GAIN, Scheduler, SchedulerConfig
 from quantserve.engine.sequence import Sequence, SequenceStatus
 from quantserve.errors import InvalidRequestError
 
@@ -198,18 +198,15 @@ def test_shared_pool_evicts_oldest_cached_prefix_when_cells_are_needed():
     for s in (a, b):
         sched.add(s)
     _run(sched, sched.schedule().plan)
-    assert (a.seq_id, b.seq_id) == (0, 1)
-    sched.finish(b, SequenceStatus.FINISHED_STOPPED)  # cached first: evicted first
-    sched.finish(a, SequenceStatus.FINISHED_STOPPED)
+    sched.finish(a, SequenceStatus.FINISHED_STOPPED)  # cached first: evicted first
+    sched.finish(b, SequenceStatus.FINISHED_STOPPED)
     assert sched.num_kv_cached == 16
-    c = _seq("c", 14)
-    c.tokens = [
-        3
-    ] * 14  # shares nothing; goes to the lowest slot (a's), and needs more than 4 free + a's 8 cells
+    c = _seq("c", 10)
+    c.tokens = [3] * 10  # shares nothing: takes the empty slot, and needs 10 of the 4 free cells
     sched.add(c)
     s = sched.schedule()
-    assert s.admitted == [c] and c.seq_id == a.seq_id and s.evicted == [b.seq_id]
-    assert sched.slot_tokens == {} and sched.num_kv_used + sched.num_kv_cached <= 20
+    assert s.admitted == [c] and c.seq_id not in (a.seq_id, b.seq_id) and s.evicted == [a.seq_id]
+    assert list(sched.slot_tokens) == [b.seq_id] and sched.num_kv_used + sched.num_kv_cached <= 20
 
 
 def test_per_sequence_kv_does_not_count_cached_prefixes_against_the_pool():
@@ -297,6 +294,22 @@ def test_packed_slots_prefer_the_lowest_free_slot_over_a_short_cached_prefix():
     sched.add(new)
     sched.schedule()
     assert new.seq_id == 1 and new.num_computed == len(system)  # slot 1's shared head is still reused
+
+
+@pytest.mark.parametrize(("extra", "slot"), [(PACK_MIN_PREFIX_GAIN - 1, 0), (PACK_MIN_PREFIX_GAIN, 1)])
+def test_packing_gives_way_at_exactly_the_minimum_prefix_gain(extra, slot):
+    sched = _packing_scheduler(2)
+    a, b = _seq("a", 0), _seq("b", 0)
+    a.tokens, b.tokens = [1] * 10, [2] * extra
+    for s in (a, b):
+        sched.add(s)
+    _run(sched, sched.schedule().plan)
+    _finish_all(sched)
+    new = _seq("new", 0)
+    new.tokens = [2] * extra + [5]  # can reuse `extra` tokens of slot 1, none of slot 0
+    sched.add(new)
+    sched.schedule()
+    assert new.seq_id == slot
 
 
 def test_packed_slots_still_return_a_long_conversation_to_its_own_slot():

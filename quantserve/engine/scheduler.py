@@ -172,7 +172,9 @@ class Scheduler:
         def reusable(slot: int) -> int:
             return min(common_prefix_len(self.slot_tokens.get(slot, []), seq.tokens), len(seq.tokens) - 1)
 
-        best = max(self._free_slots, key=lambda s: (reusable(s), -s))  # ties: the lowest slot
+        # Ties: an empty slot before a cached one, then the oldest cache (kept newest-last), then the lowest slot.
+        age = {slot: i for i, slot in enumerate(self.slot_tokens)}
+        best = max(self._free_slots, key=lambda s: (reusable(s), s not in age, -age.get(s, 0), -s))
         if self.config.pack_slots and reusable(best) - reusable(lowest) < PACK_MIN_PREFIX_GAIN:
             best = lowest
         return best, reusable(best)

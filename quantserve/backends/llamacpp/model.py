@@ -195,8 +195,9 @@ class LlamaCppRunner:
         i = 0
         out_idx = [-1] * len(plan)
         # Per-sequence KV: llama.cpp cuts a batch into one ubatch per run of consecutive, increasing seq ids, in
-        # batch order (split_equal), and each ubatch is a full pass over the weights. So the batch is written in
-        # seq id order: 8 decodes in one pass take 22 ms here, in the scheduler's order 36 ms.
+        # batch order, with the same number of tokens for each sequence (split_equal), and each ubatch is a full
+        # pass over the weights. So the batch is written in seq id order: 8 decodes in one pass take 22 ms here,
+        # in the scheduler's order 36 ms.
         for k in sorted(range(len(plan)), key=lambda k: plan[k][0].seq_id):
             seq, n = plan[k]
             start = seq.num_computed
