@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from quantserve.errors import (
     InvalidRequestError,
 )
 from quantserve.registry import ResolvedModel
+from quantserve.structured import GuideCompiler
 
 log = logging.getLogger("quantserve")
 
@@ -76,6 +78,16 @@ class LLM:
         )
         self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()
+        self._guides: GuideCompiler | None = None
+        self._guides_lock = threading.Lock()
+
+    @property
+    def guides(self) -> GuideCompiler:
+        """The model's vocabulary in the grammar engine's form, built on first use (about 0.1 s for 49k tokens)."""
+        with self._guides_lock:
+            if self._guides is None:
+                self._guides = GuideCompiler(self.runner.vocabulary(), self.runner.n_vocab)
+            return self._guides
 
     @classmethod
     def load(cls, model: ResolvedModel, settings: EngineSettings) -> LLM:
@@ -169,6 +181,8 @@ class LLM:
             max_total_tokens=self.n_ctx,
         )
         self.runner.check_params(params)
+        if params.grammar is not None:
+            seq.guide = self.guides.guide(params.grammar)  # a grammar llguidance rejects is a 400 here
         return self.engine.generate(seq)
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:

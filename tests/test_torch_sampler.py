@@ -244,13 +244,67 @@ def test_logit_bias():
     assert Sampler().sample(logits[:1], [s])[0].token == 4
 
 
-def test_grammar_and_bad_bias_are_rejected():
-    with pytest.raises(InvalidRequestError, match="--backend llamacpp") as e:
-        Sampler().add(seq("x", grammar='root ::= "a"'))
-    assert e.value.param == "response_format"
+def test_bad_bias_is_rejected():
     with pytest.raises(InvalidRequestError, match=r"outside the vocabulary \(0..63\)") as e:
         Sampler(n_vocab=V).add(seq("y", logit_bias=((64, 1.0),)))
     assert e.value.param == "logit_bias"
+
+
+# ---- grammars -----------------------------------------------------------------------------------------
+
+# A 64-token vocabulary: 0 is an end-of-generation control token, 1..10 the digits, the rest letters and marks.
+PIECES = (
+    [b"</s>"] + [str(d).encode() for d in range(10)] + [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz"]
+)
+PIECES += [bytes([c]) for c in b'{}[]:," ']
+PIECES += [f"w{i}".encode() for i in range(V - len(PIECES))]
+
+
+def tiny_guides():
+    from quantserve.structured import GuideCompiler, Vocabulary
+
+    table = {p.decode(): i for i, p in enumerate(PIECES)}
+
+    def tokenize(text: str) -> list[int]:  # one token per character is enough for llguidance here
+        return [table[c] for c in text]
+
+    return GuideCompiler(Vocabulary(PIECES, frozenset({0}), (0,), tokenize), V)
+
+
+def test_grammar_mask_is_applied_per_row_and_the_rest_of_the_batch_is_untouched():
+    """A regex grammar for 3-digit numbers on row 0 only: its greedy choice is the best digit, then EOS once the
+    number is complete; row 1 (no grammar) still takes its own argmax, a letter."""
+    from quantserve.structured import lark_grammar
+
+    guides = tiny_guides()
+    s0, s1 = seq("g", temperature=0.0), seq("free", temperature=0.0)
+    s0.guide = guides.guide(lark_grammar("start: /[0-9]{3}/", param="response_format"))
+    sampler = Sampler()
+    for step in range(4):
+        logits = torch.zeros(2, V)
+        logits[:, 15] = 9.0  # a letter is the model's favourite
+        logits[:, 1 + (step * 3) % 10] = 5.0  # then some digit
+        out = sampler.sample(logits, [s0, s1])
+        assert out[1].token == 15
+        if step < 3:
+            assert out[0].token == 1 + (step * 3) % 10
+            assert s0.guide.accept(out[0].token)
+        else:
+            assert out[0].token == 0  # complete: only the end-of-generation token is left
+
+
+def test_torch_mask_equals_the_numpy_reference():
+    from quantserve.backends.torch.sampler import apply_token_masks
+    from quantserve.structured import apply_mask
+
+    rng = np.random.default_rng(0)
+    masks = rng.integers(-(2**31), 2**31, size=(3, 2), dtype=np.int64).astype(np.int32)
+    x = torch.randn(4, V)
+    want = x.numpy().copy()
+    for row, m in zip([0, 2, 3], masks, strict=True):
+        apply_mask(want[row], m)
+    apply_token_masks(x, [0, 2, 3], masks)
+    assert np.array_equal(x.numpy(), want)
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------

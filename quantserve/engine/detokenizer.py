@@ -16,6 +16,7 @@ class IncrementalDetokenizer:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._stop = stop
         self._pending = ""
+        self.hit: str | None = None  # the stop string found, once one is
 
     def add(self, piece: bytes) -> tuple[str, bool]:
         """Feed one token's bytes. Returns (text to emit now, whether a stop string was hit)."""
@@ -27,7 +28,7 @@ class IncrementalDetokenizer:
         for s in self._stop:
             i = self._pending.find(s)
             if i != -1 and (hit == -1 or i < hit):
-                hit = i
+                hit, self.hit = i, s
         if hit != -1:
             out, self._pending = self._pending[:hit], ""
             return out, True

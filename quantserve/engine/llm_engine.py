@@ -73,11 +73,23 @@ class LLMEngine:
         p = seq.params
         if self.runner.is_eog(token) and not p.ignore_eos:
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), None)
+        if seq.guide is not None and not seq.guide.accept(token):
+            # The token came through the guide's own mask, so this is a bug, not bad input: end the sequence
+            # cleanly rather than sample on with a broken grammar.
+            log.error(
+                "%s: token %d broke its grammar (%s); stopping it", seq.request_id, token, seq.guide.error
+            )
+            return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), None)
         seq.tokens.append(token)
         seq.pending_tokens.append(token)
-        text, hit_stop = seq.detokenizer.add(self.runner.token_bytes(token))
+        if p.skip_special_tokens:
+            piece = self.runner.token_bytes(token)
+        else:
+            piece = self.runner.token_bytes(token, special=True)
+        text, hit_stop = seq.detokenizer.add(piece)
         lps = [logprob] if logprob is not None else None
         if hit_stop:
+            seq.stop_hit = seq.detokenizer.hit
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, text, lps)
         if seq.num_output_tokens >= p.max_tokens or len(seq.tokens) >= seq.max_total_tokens:
             return self._finish(seq, SequenceStatus.FINISHED_LENGTH, text + seq.detokenizer.flush(), lps)
@@ -104,4 +116,5 @@ class LLMEngine:
             finish_reason=seq.status.value if seq.status.finished else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            stop=seq.stop_hit,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from quantserve.errors import InvalidRequestError
+from quantserve.structured.grammars import Grammar
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
-    grammar: str | None = None  # GBNF, enforced by llama.cpp's grammar sampler
+    grammar: Grammar | None = None  # the output must match it (a token mask from llguidance, both backends)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    skip_special_tokens: bool = (
+        True  # control tokens print nothing (False: their text, for tool-call markers)
+    )
 
     def __post_init__(self) -> None:
         checks = [

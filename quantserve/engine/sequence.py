@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from quantserve.structured import Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +50,7 @@ class SequenceOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    stop: str | None = None  # the stop string that ended the sequence, if one did
 
 
 _counter = itertools.count()
@@ -67,6 +72,8 @@ class Sequence:
     num_computed: int = 0
     arrival: int = field(default_factory=lambda: next(_counter))
     pending_tokens: list[int] = field(default_factory=list)  # sampled but not yet sent (text held back)
+    guide: Guide | None = None  # the grammar its output must follow (params.grammar), if any
+    stop_hit: str | None = None  # the stop string that ended it
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_tokens)

@@ -21,6 +21,7 @@ from quantserve.llm import LLM
 from quantserve.server.errors import error_body
 from quantserve.server.protocol import ChatCompletionRequest, CompletionRequest, response_format_grammar
 from quantserve.server.state import ServerState
+from quantserve.structured import Grammar
 
 router = APIRouter()
 log = logging.getLogger("quantserve.server")
@@ -157,7 +158,7 @@ async def _collect(state: ServerState, gens, choices: list[_Choice], t0: float) 
     return lps
 
 
-def _params(llm: LLM, req, *, max_tokens: int, grammar: str | None, logprobs: bool, top_logprobs: int):
+def _params(llm: LLM, req, *, max_tokens: int, grammar: Grammar | None, logprobs: bool, top_logprobs: int):
     bias = None
     if req.logit_bias:
         try:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantserve.errors import InvalidRequestError
+from quantserve.structured import Grammar, json_schema_grammar
 
 
 class StreamOptions(BaseModel):
@@ -107,24 +108,16 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
 
 
-def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
-    """GBNF that forces the output to be JSON (json_object) or to match a JSON schema (json_schema)."""
+def response_format_grammar(fmt: ResponseFormat | None) -> Grammar | None:
+    """The grammar that forces the output to be a JSON object (json_object) or to match a JSON schema
+    (json_schema), enforced on either backend by llguidance's token masks."""
     if fmt is None or fmt.type == "text":
         return None
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
-
     if fmt.type == "json_object":
-        return JSON_GBNF
+        return json_schema_grammar({"type": "object"}, param="response_format")
     if fmt.json_schema is None:
         raise InvalidRequestError(
             "response_format type 'json_schema' needs a 'json_schema' object with a 'schema'",
             param="response_format",
         )
-    import json
-
-    try:
-        return json_schema_to_gbnf(json.dumps(fmt.json_schema.schema_))
-    except Exception as exc:  # the converter raises bare ValueError/KeyError/… on schemas it cannot express
-        raise InvalidRequestError(
-            f"response_format.json_schema cannot be turned into a grammar: {exc}", param="response_format"
-        ) from exc
+    return json_schema_grammar(fmt.json_schema.schema_, param="response_format")

@@ -15,6 +15,7 @@ from quantserve.backends import KVCacheFull
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.engine.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.errors import ConfigError, ModelFileError
+from quantserve.structured import Vocabulary
 
 log = logging.getLogger("quantserve.llamacpp")
 
@@ -130,6 +131,7 @@ class LlamaCppRunner:
         self.memory = lc.llama_get_memory(self.ctx)
         self.batch = lc.llama_batch_init(settings.n_batch, 0, 1)
         self._pieces: list[bytes | None] = [None] * self.n_vocab
+        self._special_pieces: list[bytes | None] = [None] * self.n_vocab
         self._eog = {t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)}
         self._samplers: dict[int, SamplerChain] = {}  # id(Sequence) -> chain
         self._embed_ctx = None
@@ -147,12 +149,28 @@ class LlamaCppRunner:
             n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
         return buf[:n]
 
-    def token_bytes(self, token: int) -> bytes:
-        piece = self._pieces[token]
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes a token prints; control tokens print nothing unless `special` (then their text)."""
+        table = self._special_pieces if special else self._pieces
+        piece = table[token]
         if piece is None:
-            piece = self._piece(token, special=False)
-            self._pieces[token] = piece
+            piece = self._piece(token, special=special)
+            table[token] = piece
         return piece
+
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary as the grammar engine reads it (quantserve.structured)."""
+        control = frozenset(
+            t
+            for t in range(self.n_vocab)
+            if lc.llama_vocab_get_attr(self.vocab, t) & lc.LLAMA_TOKEN_ATTR_CONTROL
+        )
+        return Vocabulary(
+            pieces=[self.token_bytes(t, special=True) for t in range(self.n_vocab)],
+            control=control,
+            eog=tuple(sorted(self._eog)),
+            tokenize=lambda text: self.tokenize(text, add_special=False, parse_special=False),
+        )
 
     def special_text(self, token: int) -> str:
         """A token's text including control tokens (for chat templates' bos_token/eos_token)."""
@@ -184,8 +202,8 @@ class LlamaCppRunner:
     kv_block_size = 1  # llama.cpp's KV cells are single tokens
 
     def check_params(self, params) -> None:
-        if params.grammar is not None:
-            # Compile the grammar now so a bad one is a 400 for this request, not a failure inside the engine.
+        """Build the sampler chain once, so a bad logit_bias is a 400 for this request, not an engine failure."""
+        if params.logit_bias:
             SamplerChain(self.vocab, self.n_vocab, params).close()
 
     # ---- execution ----------------------------------------------------------------------------
@@ -224,8 +242,15 @@ class LlamaCppRunner:
                 results.append(None)
                 continue
             chain = self._sampler(seq)
+            logits = None
+            if seq.params.logprobs or seq.guide is not None:
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+            raw = logits.copy() if seq.params.logprobs and seq.guide is not None else logits
+            if seq.guide is not None:
+                # The grammar's mask goes straight into llama.cpp's logits, before the chain samples them.
+                seq.guide.mask(logits)
             tok = chain.sample(self.ctx, idx)
-            lp = self._logprob(idx, tok, seq.params.top_logprobs) if seq.params.logprobs else None
+            lp = self._logprob(raw, tok, seq.params.top_logprobs) if seq.params.logprobs else None
             results.append(SampledToken(tok, lp))
         return results
 
@@ -236,12 +261,9 @@ class LlamaCppRunner:
             self._samplers[id(seq)] = chain
         return chain
 
-    def prepare(self, seq: Sequence) -> None:
-        """Build the sequence's sampler up front, so a bad grammar fails the request before it is queued."""
-        self._sampler(seq)
-
-    def _logprob(self, idx: int, token: int, top_n: int) -> TokenLogprob:
-        logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+    @staticmethod
+    def _logprob(logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+        """The model's own logprobs (before sampling filters and any grammar mask)."""
         m = float(logits.max())
         lse = m + float(np.log(np.exp(logits - m).sum()))
         top: tuple[tuple[int, float], ...] = ()

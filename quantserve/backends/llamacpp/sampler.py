@@ -13,7 +13,9 @@ from quantserve.errors import InvalidRequestError
 
 class SamplerChain:
     """Owns one `llama_sampler` chain. Order follows llama.cpp's common sampler:
-    logit bias → penalties → grammar → top-k → top-p → min-p → temperature → dist (or greedy)."""
+    logit bias → penalties → top-k → top-p → min-p → temperature → dist (or greedy). A grammar is not in the chain:
+    the runner masks the logits with the sequence's Guide (quantserve.structured) before the chain sees them,
+    which puts it where llama.cpp's grammar sampler would be, after the penalties (-inf stays -inf through them)."""
 
     def __init__(self, vocab: lc.llama_vocab_p, n_vocab: int, params: SamplingParams):
         cparams = lc.llama_sampler_chain_default_params()
@@ -47,15 +49,6 @@ class SamplerChain:
                     n_vocab, p.penalty_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
                 )
             )
-        if p.grammar is not None:
-            g = lc.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
-            if not g:
-                raise InvalidRequestError(
-                    "the grammar for 'response_format' could not be compiled by llama.cpp; "
-                    "check the JSON schema (supported: the JSON Schema subset of llama.cpp's json_schema_to_grammar)",
-                    param="response_format",
-                )
-            self._add(g)
         if p.greedy:
             # Plain greedy is an argmax, which numpy does in 3 us; llama.cpp's chain first copies the vocabulary
             # into a candidate array (38 us for SmolLM2's 49k tokens), on every token of every sequence.

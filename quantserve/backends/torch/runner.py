@@ -14,6 +14,7 @@ from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import SampledToken, Sequence
 from quantserve.errors import ConfigError
+from quantserve.structured import Vocabulary
 
 log = logging.getLogger("quantserve.torch")
 
@@ -110,8 +111,18 @@ class TorchRunner:
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]:
         return self.tokenizer.tokenize(text, add_special=add_special, parse_special=parse_special)
 
-    def token_bytes(self, token: int) -> bytes:
-        return self.tokenizer.token_bytes(token)
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        return self.tokenizer.token_bytes(token, special=special)
+
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary as the grammar engine reads it (quantserve.structured)."""
+        tok = self.tokenizer
+        return Vocabulary(
+            pieces=[tok.token_bytes(t, special=True) for t in range(tok.n_vocab)],
+            control=tok.control,
+            eog=tuple(sorted(tok.eog)),
+            tokenize=lambda text: tok.tokenize(text, add_special=False, parse_special=False),
+        )
 
     def is_eog(self, token: int) -> bool:
         return self.tokenizer.is_eog(token)

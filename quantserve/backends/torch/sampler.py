@@ -1,7 +1,8 @@
 """Batched sampling for the torch backend: one token per row of a [B, V] logits tensor, llama.cpp's chain.
 
 Each row follows the chain the llama.cpp backend builds (backends/llamacpp/sampler.py, llama.cpp
-src/llama-sampler.cpp): logit bias → penalties → (greedy argmax) or top-k → top-p → min-p → temperature → draw.
+src/llama-sampler.cpp): logit bias → penalties → grammar mask → (greedy argmax) or top-k → top-p → min-p →
+temperature → draw.
 Penalties count the sequence's last `penalty_last_n` *generated* tokens, as llama.cpp's penalties sampler only
 sees the tokens its chain accepted. Logprobs are those of the model's raw distribution (log-softmax of the
 logits before any of the chain), as the llama.cpp runner reports them.
@@ -17,25 +18,21 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.errors import InvalidRequestError
+from quantserve.structured import fill_masks
 
 
 def check_params(params: SamplingParams, n_vocab: int | None = None) -> None:
     """Reject what the torch sampler cannot do, before the request is queued.
 
     Raises:
-        InvalidRequestError: a grammar (needs llama.cpp), or a logit_bias token outside the vocabulary.
+        InvalidRequestError: a logit_bias token outside the vocabulary.
     """
-    if params.grammar is not None:
-        raise InvalidRequestError(
-            "structured output (response_format json_schema/json_object, or a grammar) is not supported by the "
-            "torch backend; serve the model with --backend llamacpp",
-            param="response_format",
-        )
     if n_vocab is not None:
         for tok, _ in params.logit_bias:
             if not 0 <= tok < n_vocab:
@@ -84,6 +81,16 @@ def apply_penalties(
     v = x[r, ids]
     v = torch.where(v <= 0, v * rep, v / rep) - (counts * freq + pres)  # llama.cpp: c * freq + (c > 0) * pres
     x[r, ids] = v
+
+
+def apply_token_masks(x: torch.Tensor, rows: list[int], masks: np.ndarray) -> None:
+    """Grammar masks (quantserve.structured: int32 [R, ceil(V / 32)], bit j of word i is token 32 i + j) on the
+    given rows of x [B, V], in place: forbidden tokens get -inf."""
+    m = torch.from_numpy(masks).to(x.device)
+    bits = (m[:, :, None] >> torch.arange(32, dtype=torch.int32, device=x.device)) & 1  # [R, W, 32]
+    forbidden = bits.reshape(len(rows), -1)[:, : x.shape[1]] == 0
+    r = torch.tensor(rows, device=x.device)
+    x[r] = x[r].masked_fill(forbidden, float("-inf"))
 
 
 # llama.cpp's top-p first looks for its cut among the best 256 tokens and sorts everything only when the mass
@@ -216,6 +223,13 @@ class Sampler:
         if pen:
             windows = [_penalty_window(seqs[i], params[i].penalty_last_n) for i in pen]
             apply_penalties(x, pen, windows, [params[i] for i in pen])
+        guided = [i for i, s in enumerate(seqs) if s.guide is not None]
+        if guided:  # after the penalties, where llama.cpp's chain has its grammar
+            if x is logits:
+                x = logits.clone()
+            masks = np.empty((len(guided), (x.shape[1] + 31) // 32), dtype=np.int32)
+            fill_masks([seqs[i].guide for i in guided], masks)
+            apply_token_masks(x, guided, masks)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if not rand:
             tokens = x.argmax(-1)

@@ -122,6 +122,9 @@ class HFTokenizer:
     add_bos: bool  # tokenize(add_special=True) starts with BOS
     add_eos: bool
     chat_template: str | None
+    control: frozenset[int] = (
+        frozenset()
+    )  # control tokens: they print nothing, and text never tokenizes to them
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:
@@ -198,7 +201,7 @@ class HFTokenizer:
         pieces = _pieces(texts, set(added), control, model, byte_level)
         return cls(
             tok, literal, n_vocab, pieces, tuple(texts), frozenset(eog), bos, eos, add_bos, add_eos,
-            _chat_template(tc, directory),
+            _chat_template(tc, directory), frozenset(control),
         )  # fmt: skip
 
     # ---- the ModelRunner side --------------------------------------------------------------------
@@ -213,8 +216,10 @@ class HFTokenizer:
             ids += [self.eos_token_id] if self.add_eos and self.eos_token_id >= 0 else []
         return ids
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes a token stands for, as llama.cpp prints it (control tokens: nothing)."""
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes a token stands for, as llama.cpp prints it (control tokens: nothing, unless `special`)."""
+        if special and token in self.control:
+            return self.texts[token].encode()
         return self.pieces[token] if 0 <= token < self.n_vocab else b""
 
     def is_eog(self, token: int) -> bool:
