@@ -12,10 +12,12 @@ MODEL ?= smollm2
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
 
-# llama.cpp's own vocab test files (ggml-vocab-*.gguf and their inputs), from the llama-cpp-python sdist on PyPI:
-# the tokenizer tests compare quantserve's tokenizers with them. Best effort: without them those tests skip.
+# From the llama-cpp-python sdist on PyPI, llama.cpp's own test material: its vocab test files (ggml-vocab-*.gguf
+# and their inputs), which the tokenizer tests compare quantserve's tokenizers with, and the chat templates of many
+# model families (models/templates/*.jinja), which the tool-call tests render. Best effort: without them those
+# tests skip.
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
-VOCABS := bench/.build/src/vendor/llama.cpp/models/.vocab-extracted
+VOCABS := bench/.build/src/vendor/llama.cpp/models/.extracted-vocabs-templates
 
 .PHONY: setup serve test lint bench clean
 
@@ -41,7 +43,7 @@ $(VOCABS):
 	-mkdir -p bench/.build/sdist bench/.build/src && \
 	  $(BIN)/python -m pip download -q --no-deps --no-binary :all: $(LLAMA_CPP_PY) -d bench/.build/sdist && \
 	  tar -xzf bench/.build/sdist/llama_cpp_python-0.3.36.tar.gz -C bench/.build/src --strip-components=1 \
-	    --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*' && touch $@
+	    --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*' && touch $@
 
 lint: $(STAMP)
 	$(BIN)/ruff check quantserve kernels converters tests

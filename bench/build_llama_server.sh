@@ -26,8 +26,9 @@ fi
 [[ -f "$SDIST" ]] || { echo "error: no sdist for llama-cpp-python $VERSION under $BUILD/sdist" >&2; exit 1; }
 
 SRC="$BUILD/src"
-if [[ ! -d "$SRC/vendor/llama.cpp" ]]; then
-    rm -rf "$SRC" && mkdir -p "$SRC"
+# `make test` extracts only llama.cpp's test material into the same folder, so look for the sources themselves.
+if [[ ! -f "$SRC/vendor/llama.cpp/CMakeLists.txt" ]]; then
+    mkdir -p "$SRC"
     tar -xzf "$SDIST" -C "$SRC" --strip-components=1
 fi
 

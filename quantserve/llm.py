@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantserve.chat_template import ChatTemplate
+from quantserve.chat.template import ChatTemplate
 from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.llm_engine import LLMEngine

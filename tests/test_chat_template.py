@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantserve.chat_template import ChatTemplate
+from quantserve.chat.template import ChatTemplate
 from quantserve.errors import ChatTemplateError, ConfigError
 from quantserve.formats import read_gguf_info
 

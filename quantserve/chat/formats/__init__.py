@@ -1,0 +1,166 @@
+"""Tool-call formats: how a family of chat templates asks for tools, writes calls, and how its replies parse.
+
+One module per family in this package; each defines a ToolFormat subclass decorated with @register, and every
+module here is imported when formats are first needed, so a new family is one new file. Which format a model uses
+is read from its template, never from its name: a probe render writes a known call through the template
+(TemplateProbe.turn) and the first format, in priority order, whose parser reads that same call back wins. A
+template whose calls no format reads (including templates that know no tools at all) gets the generic format.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from quantserve.chat.reply import ReplyParser
+from quantserve.chat.template import PROBE_CALL, TemplateProbe
+from quantserve.chat.tools import Tool, ToolChoice, new_call_id
+from quantserve.structured import Grammar
+
+_REGISTRY: list[type[ToolFormat]] = []
+_loaded = False
+
+
+def register(cls: type[ToolFormat]) -> type[ToolFormat]:
+    _REGISTRY.append(cls)
+    _REGISTRY.sort(key=lambda c: c.priority)
+    return cls
+
+
+def registered() -> list[type[ToolFormat]]:
+    global _loaded
+    if not _loaded:
+        for mod in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{mod.name}")
+        _loaded = True
+    return list(_REGISTRY)
+
+
+def detect(probe: TemplateProbe) -> ToolFormat:
+    """The format of the first registered family that reads the template's probe call back."""
+    for cls in registered():
+        fmt = cls.from_probe(probe)
+        if fmt is not None:
+            return fmt
+    raise AssertionError(
+        "the generic format accepts every template"
+    )  # it is registered last, and never refuses
+
+
+class ToolFormat(ABC):
+    """A family's conventions. Instances are immutable and shared by every request to a model."""
+
+    name: ClassVar[str]
+    priority: ClassVar[int]  # detection order, lowest first
+    native: ClassVar[bool] = True  # the template itself describes the tools and renders calls and results
+
+    def __init__(self, probe: TemplateProbe):
+        self.probe = probe
+
+    @classmethod
+    def from_probe(cls, probe: TemplateProbe) -> ToolFormat | None:
+        """This format, if its parser reads the probe's call back out of the template's assistant turn."""
+        if probe.turn is None:
+            return None
+        fmt = cls(probe)
+        parser = fmt.parser()
+        parser.feed(probe.turn)
+        parser.finish()
+        calls = [c for c in parser.calls if c.complete]
+        ok = (
+            not parser.malformed
+            and len(calls) == 1
+            and calls[0].name == PROBE_CALL["name"]
+            and _loads(calls[0].arguments) == PROBE_CALL["arguments"]
+        )
+        return fmt if ok else None
+
+    # ---- the prompt --------------------------------------------------------------------------------
+
+    def prepare(
+        self, messages: list[dict[str, Any]], tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Messages as this family's template wants them, and the extra template variables (`tools`).
+
+        The default suits templates that render calls themselves: the arguments of earlier calls become objects
+        again, since templates write them with `tojson` (transformers' convention, and vLLM's and llama.cpp's).
+        """
+        out = [_with_object_arguments(m) for m in messages]
+        extra = {"tools": [t.as_openai() for t in tools]} if tools and choice.mode != "none" else {}
+        return out, extra
+
+    # ---- constrained decoding and parsing ---------------------------------------------------------
+
+    @abstractmethod
+    def grammar(
+        self,
+        tools: tuple[Tool, ...],
+        choice: ToolChoice,
+        parallel: bool,
+        schema: dict[str, Any] | None,
+        special: dict[str, int],
+    ) -> Grammar:
+        """What the reply may be. `tools` are those it may call (the named one only, for a named choice);
+        `schema` is response_format's JSON schema for a reply without calls; `special` maps the vocabulary's
+        control-token texts to ids, for markers that are single tokens."""
+
+    @abstractmethod
+    def parser(self) -> ReplyParser:
+        """A fresh parser for one reply."""
+
+    def new_id(self) -> str:
+        return new_call_id()
+
+
+def _loads(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            parsed = _loads(fn["arguments"])
+            if isinstance(parsed, dict):
+                fn["arguments"] = parsed
+        out.append({**call, "function": fn})
+    return {**message, "tool_calls": out, "content": message.get("content") or ""}
+
+
+def call_schema(tool: Tool, args_key: str = "arguments", **extra: dict[str, Any]) -> dict[str, Any]:
+    """The JSON of one call: {"name": <this tool>, args_key: <its parameters>} and any `extra` properties
+    (optional), in that order."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.name}, args_key: tool.parameters, **extra},
+        "required": ["name", args_key],
+        "additionalProperties": False,
+    }
+
+
+def one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+TEXT_RULE = "TEXT: /(.|\\n)*/"  # any text at all (control tokens never match text)
+
+
+def trigger_rule(marker: str, special: dict[str, int]) -> str:
+    """A Lark rule `trig` for free text that ends with `marker`: a control token ends the text by itself; a marker
+    written as text needs a lazy match (the text ends at the marker's first appearance)."""
+    from quantserve.structured import lark_literal
+
+    if marker in special:
+        return f"trig: TEXT {lark_literal(marker, special)}"
+    return f"trig[lazy]: TEXT {lark_literal(marker)}"

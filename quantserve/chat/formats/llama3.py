@@ -1,0 +1,96 @@
+"""Llama 3.1/3.2/3.3: a call is the whole reply, a JSON object `{"name": …, "parameters": {…}}`, optionally after
+`<|python_tag|>`; several calls are separated by ";". The templates render one call per assistant turn, so the
+grammar asks for one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantserve.chat.formats import ToolFormat, call_schema, one_of, register
+from quantserve.chat.reply import CallStream, Event, JsonCallParser
+from quantserve.chat.tools import Tool, ToolChoice
+from quantserve.structured import Grammar, json_rule, lark_grammar
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+@register
+class Llama3(ToolFormat):
+    name = "llama3"
+    priority = 30
+
+    def grammar(
+        self,
+        tools: tuple[Tool, ...],
+        choice: ToolChoice,
+        parallel: bool,
+        schema: dict[str, Any] | None,
+        special: dict[str, int],
+    ) -> Grammar:
+        call = f"call: {json_rule(one_of([call_schema(t, 'parameters') for t in tools]))}"
+        if choice.mode == "required":
+            lark = f"start: call\n{call}"
+        elif schema is not None:
+            lark = f"start: call | {json_rule(schema)}\n{call}"
+        else:  # a reply that starts with "{" is a call; any other reply is free text (not starting with a space)
+            lark = f"start: call | TEXT\n{call}\nTEXT: /[^{{\\s](.|\\n)*/"
+        return lark_grammar(lark, param="tools")
+
+    def parser(self) -> Llama3Parser:
+        return Llama3Parser(self.new_id)
+
+
+class Llama3Parser(JsonCallParser):
+    """Until a JSON reply shows a "name", nothing is sent: a JSON object without one is text after all."""
+
+    def __init__(self, new_id):
+        super().__init__(new_id)
+        self.state = "start"
+        self.cur = 0
+
+    def _parse(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            if self.state in ("start", "next"):
+                rest = self.text[self.cur :].lstrip()
+                if self.state == "next" and rest.startswith(";"):
+                    rest = rest[1:].lstrip()
+                if rest.startswith(PYTHON_TAG):
+                    rest = rest[len(PYTHON_TAG) :].lstrip()
+                if not rest or (not final and PYTHON_TAG.startswith(rest)):
+                    if final:
+                        self.state = "text" if self.state == "start" else "done"
+                        continue
+                    return out
+                self.cur = len(self.text) - len(rest)
+                if rest[0] != "{":
+                    self.state = "text"
+                    continue
+                self._scan(self.cur)
+                self.calls.append(CallStream(self.scanner, (), len(self.calls), self.new_id()))
+                self.state = "call"
+            if self.state == "call":
+                sc = self._advance(final)
+                call = self.calls[-1]
+                out += call.poll()
+                if not call.started and (sc.error or sc.done or final):
+                    self.calls.pop()  # JSON, or something like it, but no call: the reply is text
+                    self.cur = 0 if not self.calls else self.cur
+                    self.state = "text"
+                    continue
+                if sc.error:
+                    self.malformed = True
+                    return out
+                if not sc.done:
+                    return out
+                self.cur = self._scan_end()
+                self.state = "next"
+                continue
+            if self.state == "trailing":  # text after the calls (a template's end-of-turn marker): content
+                self.state = "text"
+                continue
+            if self.state == "text":
+                out += self.content.add(self.text[self.cur :])
+                self.cur = len(self.text)
+                return out
+            return out  # done

@@ -1,0 +1,172 @@
+"""Mistral: `[TOOL_CALLS]` then the calls. Two generations of templates, told apart by the probe:
+Nemo writes a JSON array `[{"name": …, "arguments": {…}, "id": …}]`; v11 and later (Small 3.2, Devstral,
+Ministral) write `name[ARGS]{…}` per call, Small 3.2 with `[CALL_ID]id` between. Call ids are 9 letters and
+digits, which the templates check."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+from typing import Any
+
+from quantserve.chat.formats import TEXT_RULE, ToolFormat, call_schema, one_of, register, trigger_rule
+from quantserve.chat.reply import CallStream, Event, JsonCallParser, holdback
+from quantserve.chat.template import TemplateProbe
+from quantserve.chat.tools import Tool, ToolChoice, new_call_id
+from quantserve.structured import Grammar, json_rule, lark_grammar, lark_literal
+
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ALNUM = string.ascii_letters + string.digits
+
+
+def nine_char_id(call_id: str) -> str:
+    """A client's call id as the 9 letters and digits Mistral's templates demand (the same id, the same result)."""
+    if _ID.fullmatch(call_id):
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(_ALNUM[(n >> (6 * i)) % len(_ALNUM)] for i in range(9))
+
+
+@register
+class Mistral(ToolFormat):
+    name = "mistral"
+    priority = 10
+
+    def __init__(self, probe: TemplateProbe):
+        super().__init__(probe)
+        turn = probe.turn or ""
+        self.json_array = ARGS not in turn  # Nemo
+        self.call_ids = CALL_ID in turn  # Small 3.2
+
+    def prepare(self, messages, tools, choice, parallel):
+        out, extra = super().prepare(messages, tools, choice, parallel)
+        fixed = []
+        for m in out:
+            if m.get("tool_calls"):
+                m = {
+                    **m,
+                    "tool_calls": [{**c, "id": nine_char_id(str(c.get("id", "")))} for c in m["tool_calls"]],
+                }
+            if m.get("role") == "tool" and "tool_call_id" in m:
+                m = {**m, "tool_call_id": nine_char_id(str(m["tool_call_id"]))}
+            fixed.append(m)
+        return fixed, extra
+
+    def grammar(
+        self,
+        tools: tuple[Tool, ...],
+        choice: ToolChoice,
+        parallel: bool,
+        schema: dict[str, Any] | None,
+        special: dict[str, int],
+    ) -> Grammar:
+        tc = lark_literal(TOOL_CALLS, special)
+        if self.json_array:
+            ident = {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}}
+            call = f"call: {json_rule(one_of([call_schema(t, **ident) for t in tools]))}"
+            rest = 'rest: "[" call (", " call)* "]"' if parallel else 'rest: "[" call "]"'
+            rules = f"{call}\n{rest}\ncalls: {tc} rest"
+        else:
+            ident = f" {lark_literal(CALL_ID, special)} /[a-zA-Z0-9]{{9}}/" if self.call_ids else ""
+            args = lark_literal(ARGS, special)
+            alts = " | ".join(
+                f"{lark_literal(t.name)}{ident} {args} {json_rule(t.parameters)}" for t in tools
+            )
+            more = f" ({tc} rest)*" if parallel else ""
+            rules = f"rest: {alts}\ncalls: {tc} rest{more}"
+        if choice.mode == "required":
+            lark = f"start: calls\n{rules}"
+        elif schema is not None:
+            lark = f"start: calls | {json_rule(schema)}\n{rules}"
+        else:
+            follow = f" ({tc} rest)*" if parallel and not self.json_array else ""
+            lark = (
+                f"%llguidance {{}}\nstart: TEXT | trig rest{follow}\n{rules}\n"
+                f"{trigger_rule(TOOL_CALLS, special)}\n{TEXT_RULE}"
+            )
+        return lark_grammar(lark, param="tools")
+
+    def parser(self) -> MistralParser:
+        return MistralParser(self.new_id)
+
+    def new_id(self) -> str:
+        return new_call_id(9, prefix="")
+
+
+class MistralParser(JsonCallParser):
+    def __init__(self, new_id):
+        super().__init__(new_id)
+        self.state = "text"
+        self.cur = 0
+        self.name = self.id = ""
+
+    def _parse(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            if self.state == "text":
+                at = self.text.find(TOOL_CALLS, self.cur)
+                if at == -1:
+                    rest = self.text[self.cur :]
+                    end = len(self.text) - (0 if final else holdback(rest, (TOOL_CALLS,)))
+                    out += self.content.add(self.text[self.cur : end])
+                    self.cur = end
+                    return out
+                out += self.content.add(self.text[self.cur : at])
+                self.cur = at + len(TOOL_CALLS)
+                self.state = "open"
+            if self.state == "open":
+                rest = self.text[self.cur :].lstrip()
+                if not rest:
+                    self.malformed = final
+                    return out
+                self.cur = len(self.text) - len(rest)
+                if rest[0] == "[":  # Nemo: a JSON array of calls
+                    self._scan(self.cur)
+                    self.state = "array"
+                else:
+                    self.state = "name"
+            if self.state == "array":
+                sc = self._advance(final)
+                while (len(self.calls),) in sc.spans:
+                    self.calls.append(CallStream(sc, (len(self.calls),), len(self.calls), self.new_id()))
+                for call in self.calls:
+                    out += call.poll()
+                if sc.error:
+                    self.malformed = True
+                    return out
+                if not sc.done:
+                    return out
+                self.cur = self._scan_end()
+                self.state = "text"
+                continue
+            if self.state in ("name", "id"):
+                stops = (ARGS, CALL_ID) if self.state == "name" else (ARGS,)
+                found = [(k, m) for m in stops if (k := self.text.find(m, self.cur)) != -1]
+                if not found:
+                    self.malformed = final
+                    return out
+                k, marker = min(found)
+                value = self.text[self.cur : k].strip()
+                if self.state == "name":
+                    self.name, self.id = value, ""
+                else:
+                    self.id = value
+                self.cur = k + len(marker)
+                self.state = "id" if marker == CALL_ID else "args"
+            if self.state == "args":
+                sc = self._scan(self.cur)
+                call_id = self.id if _ID.fullmatch(self.id) else self.new_id()
+                self.calls.append(CallStream(sc, (), len(self.calls), call_id, name=self.name))
+                self.state = "argscan"
+            if self.state == "argscan":
+                sc = self._advance(final)
+                out += self.calls[-1].poll()
+                if sc.error:
+                    self.malformed = True
+                    return out
+                if not sc.done:
+                    return out
+                self.cur = self._scan_end()
+                self.state = "text"

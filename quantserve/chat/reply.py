@@ -1,0 +1,222 @@
+"""A model's reply, as it streams, turned into text and tool calls: the events every API encodes in its own shape.
+
+A ReplyParser (one subclass per tool-call format, in quantserve.chat.formats) reads the generated text and emits
+TextDelta and CallDelta events: a call's id and name once the name is complete, then its arguments in fragments
+that concatenate to the JSON the model wrote. ReplyAssembler keeps what was said and, at the end, checks every call
+against the tools: a reply whose calls do not hold up (unknown tool, arguments that are not JSON or fail the tool's
+schema, a call cut off by max_tokens) is returned as plain text content, never as a broken call.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from quantserve.chat.jsonscan import JsonScanner, Path, Span
+from quantserve.chat.tools import CallChecker, ToolCall
+
+log = logging.getLogger("quantserve.chat")
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """Part of tool call `index`: its first delta has `id` and `name`, later ones a fragment of `arguments`."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+Event = TextDelta | CallDelta
+
+
+@dataclass(frozen=True)
+class Reply:
+    content: str | None
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: str  # stop, length or tool_calls
+
+
+def holdback(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could be the start of a marker (so it is not sent yet)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class Content:
+    """Text outside tool calls, trimmed: leading whitespace is dropped and trailing whitespace held until more
+    text follows, so the whitespace around calls never reaches the client."""
+
+    def __init__(self) -> None:
+        self._started = False
+        self._held = ""
+
+    def add(self, text: str) -> list[Event]:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return []
+            self._started = True
+        text = self._held + text
+        kept = text.rstrip()
+        self._held = text[len(kept) :]
+        return [TextDelta(kept)] if kept else []
+
+
+class CallStream:
+    """One tool call written as a JSON object inside a scanned text: the name once it is complete, then the
+    arguments' text as it grows. With `name` given (written outside the JSON), the JSON at `prefix` is the
+    arguments themselves."""
+
+    def __init__(
+        self,
+        scanner: JsonScanner,
+        prefix: Path,
+        index: int,
+        call_id: str,
+        *,
+        name: str | None = None,
+        args_keys: tuple[str, ...] = ("arguments", "parameters"),
+    ):
+        self.scanner, self.prefix, self.index, self.id = scanner, prefix, index, call_id
+        self.name = name
+        self.args_root = name is not None
+        self.args_keys = args_keys
+        self.started = False
+        self.arguments = ""
+
+    def _args_span(self) -> Span | None:
+        if self.args_root:
+            return self.scanner.spans.get(self.prefix)
+        for key in self.args_keys:
+            span = self.scanner.spans.get((*self.prefix, key))
+            if span is not None:
+                return span
+        return None
+
+    @property
+    def complete(self) -> bool:
+        span = self._args_span()
+        return self.started and span is not None and span.end is not None
+
+    def poll(self) -> list[Event]:
+        events: list[Event] = []
+        if not self.started:
+            if self.name is None:
+                self.name = self.scanner.string_value((*self.prefix, "name"))
+                if self.name is None:
+                    return events
+            self.started = True
+            events.append(CallDelta(self.index, id=self.id, name=self.name))
+        span = self._args_span()
+        if span is not None:
+            upto = span.end if span.end is not None else self.scanner.pos
+            text = self.scanner.text[span.start : upto]
+            if len(text) > len(self.arguments):
+                events.append(CallDelta(self.index, arguments=text[len(self.arguments) :]))
+                self.arguments = text
+        return events
+
+
+class ReplyParser(ABC):
+    """Base of the per-format parsers: text in (feed, then finish), events out. After finish, `malformed` says
+    the text did not follow the format (it is then returned as plain text) and `calls` holds every call begun."""
+
+    def __init__(self, new_id: Callable[[], str]):
+        self.new_id = new_id
+        self.text = ""
+        self.calls: list[CallStream] = []
+        self.malformed = False
+        self.content = Content()
+
+    def feed(self, text: str) -> list[Event]:
+        self.text += text
+        return self._parse(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._parse(final=True)
+
+    @abstractmethod
+    def _parse(self, final: bool) -> list[Event]:
+        """Read what is new in self.text (all of it, when final) and return the events it makes."""
+
+
+class JsonCallParser(ReplyParser):
+    """Helpers for formats that write calls as JSON at some point of the text: one scanner at a time."""
+
+    def __init__(self, new_id: Callable[[], str]):
+        super().__init__(new_id)
+        self.scanner: JsonScanner | None = None
+        self._scan_from = 0  # where in self.text the scanner's text starts
+        self._fed = 0
+
+    def _scan(self, at: int) -> JsonScanner:
+        self.scanner = JsonScanner()
+        self._scan_from = self._fed = at
+        return self.scanner
+
+    def _advance(self, final: bool) -> JsonScanner:
+        """Feed the scanner what is new; at the end of the text, close a literal still open."""
+        sc = self.scanner
+        assert sc is not None
+        sc.feed(self.text[self._fed :])
+        self._fed = len(self.text)
+        if final:
+            sc.finish()
+        return sc
+
+    def _scan_end(self) -> int:
+        """Index in self.text just past the scanned value (once the scanner is done)."""
+        assert self.scanner is not None
+        return self._scan_from + self.scanner.end
+
+
+class ReplyAssembler:
+    """Runs a parser over one choice's text and decides, at the end, what the reply is."""
+
+    def __init__(self, parser: ReplyParser, checker: CallChecker, parallel: bool = True):
+        self.parser = parser
+        self.checker = checker
+        self.parallel = parallel
+        self._content: list[str] = []
+
+    def feed(self, text: str) -> list[Event]:
+        return self._keep(self.parser.feed(text)) if text else []
+
+    def finish(self, finish_reason: str) -> tuple[list[Event], Reply]:
+        events = self._keep(self.parser.finish())
+        p = self.parser
+        calls = tuple(ToolCall(c.id, c.name or "", c.arguments) for c in p.calls if c.started)
+        problem = None
+        if p.malformed:
+            problem = "the text does not follow the tool-call format"
+        elif any(not c.complete for c in p.calls):
+            problem = "a tool call is incomplete"
+        elif len(calls) > 1 and not self.parallel:
+            problem = "several tool calls, but parallel_tool_calls is false"
+        else:
+            problem = next((q for q in map(self.checker.problem, calls) if q), None)
+        if problem is not None:
+            log.info("a reply is returned as text: %s", problem)
+            return events, Reply(p.text or None, (), finish_reason)
+        content = "".join(self._content) or None
+        if calls:
+            return events, Reply(content, calls, "tool_calls" if finish_reason == "stop" else finish_reason)
+        return events, Reply(content, (), finish_reason)
+
+    def _keep(self, events: list[Event]) -> list[Event]:
+        self._content.extend(e.text for e in events if isinstance(e, TextDelta))
+        return events

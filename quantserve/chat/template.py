@@ -1,0 +1,171 @@
+"""Chat templates: a model's Jinja template rendered in jinja2's ImmutableSandboxedEnvironment, and what a probe
+render tells about it (does it know tools, a system role, tool results; how does it write a tool call)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from quantserve.errors import ChatTemplateError, ConfigError
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"the chat template rejected these messages: {message}", param="messages")
+
+
+class _GenerationBlock(Extension):
+    """transformers' `{% generation %}…{% endgeneration %}` (it marks the assistant's tokens for training masks):
+    rendered as its plain content."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
+    # Same defaults as transformers' apply_chat_template (non-ASCII kept as is).
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+
+
+class ChatTemplate:
+    """Renders OpenAI-style messages into a prompt string, exactly as transformers would (trim_blocks,
+    lstrip_blocks, loopcontrols, raise_exception, strftime_now), but sandboxed: templates come from model files."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", origin: str = "the model"):
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            raise ConfigError(f"the chat template from {origin} does not parse: {exc}") from exc
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    @classmethod
+    def from_file(cls, path: str | Path, **kw: Any) -> ChatTemplate:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read --chat-template file {p}: {exc.strerror}") from exc
+        return cls(text, origin=str(p), **kw)
+
+    def render(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ChatTemplateError(
+                f"the chat template failed to render these messages: {exc}", param="messages"
+            ) from exc
+
+    # ---- what the template can do -------------------------------------------------------------------
+
+    @cached_property
+    def probe(self) -> TemplateProbe:
+        """Render a few probe conversations once and keep what they show (llama.cpp's minja does the same)."""
+        return TemplateProbe.of(self)
+
+
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe_tool",
+        "description": "Looks something up.",
+        "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]},
+    },
+}
+PROBE_CALL = {
+    "id": "probe0001",
+    "name": "probe_tool",
+    "arguments": {"arg": "probe value"},
+}  # a 9-character id
+
+
+@dataclass(frozen=True)
+class TemplateProbe:
+    """What probe renders of a template showed.
+
+    `turn` is the assistant turn that holds PROBE_CALL, as the template writes it (the text after the generation
+    prompt); tool-call formats are recognised by parsing it back (quantserve.chat.formats).
+    """
+
+    turn: str | None  # None when the template failed to render a tool call
+    knows_tools: bool  # a `tools` list shows in the prompt
+    system_role: bool  # a system message shows in the prompt
+    tool_role: bool  # a `tool` message's content shows in the prompt
+
+    @classmethod
+    def of(cls, template: ChatTemplate) -> TemplateProbe:
+        user = {"role": "user", "content": "probe question"}
+        call = {
+            "id": PROBE_CALL["id"],
+            "type": "function",
+            "function": {"name": PROBE_CALL["name"], "arguments": PROBE_CALL["arguments"]},
+        }
+        assistant = {"role": "assistant", "content": "", "tool_calls": [call]}
+        result = {
+            "role": "tool",
+            "tool_call_id": PROBE_CALL["id"],
+            "name": PROBE_CALL["name"],
+            "content": "probe result",
+        }
+
+        def render(messages, gen: bool, tools=None) -> str | None:
+            try:
+                extra = {"tools": tools} if tools else {}
+                return template.render(messages, add_generation_prompt=gen, **extra)
+            except ChatTemplateError:
+                return None
+
+        head = render([user], True, [PROBE_TOOL])
+        full = render([user, assistant], False, [PROBE_TOOL])
+        turn = None
+        if head is not None and full is not None:
+            turn = full[_turn_start(head, full) :]
+        plain = render([user], True) or ""
+        system = render([{"role": "system", "content": "probe system"}, user], True) or ""
+        tool = render([user, assistant, result], True) or ""
+        return cls(
+            turn=turn,
+            knows_tools=head is not None and "probe_tool" in head and "probe_tool" not in plain,
+            system_role="probe system" in system,
+            tool_role="probe result" in tool,
+        )
+
+
+def _turn_start(head: str, full: str) -> int:
+    """Where the assistant turn starts in `full`: after `head` (the prompt up to the generation prompt), or, for
+    templates whose generation prompt differs from what they write in a turn (Qwen's <think>), after the last
+    whitespace of what both share, so that a marker they both begin with ("<t…") is not cut in two."""
+    if full.startswith(head):
+        return len(head)
+    k = len(os.path.commonprefix([head, full]))
+    while k > 0 and not full[k - 1].isspace():
+        k -= 1
+    return k

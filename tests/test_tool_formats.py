@@ -1,0 +1,276 @@
+"""Tool-call formats against llama.cpp's shipped chat templates (models/templates in the llama-cpp-python sdist).
+
+- Each template is recognised as its family by rendering, never by name.
+- Round trip: a conversation holding tool calls is rendered with the real template, and the rendered assistant turn
+  parses back into the same calls, whole or streamed in any pieces.
+- Malformed replies (truncated, an unknown tool, arguments against the schema) come back as text, not as calls.
+- Grammar and parser agree: random walks through each family's grammar, over a vocabulary where the markers are
+  control tokens and one where they are plain text, always parse into calls that validate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantserve.chat import ChatRequest, ChatTemplate, Tool, ToolChoice, build_prompt, tool_format
+from quantserve.chat.formats import ToolFormat
+from quantserve.chat.reply import CallDelta, ReplyAssembler
+from quantserve.chat.template import _turn_start
+from quantserve.chat.tools import CallChecker
+from quantserve.structured import GuideCompiler, Vocabulary
+from quantserve.structured.guide import allowed
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "bench/.build/src/vendor/llama.cpp/models/templates"
+FAMILIES = {
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "hermes",
+    "Qwen-Qwen2.5-7B-Instruct.jinja": "hermes",
+    "Qwen-Qwen3-0.6B.jinja": "hermes",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3",
+    "meta-llama-Llama-3.2-3B-Instruct.jinja": "llama3",
+    "meta-llama-Llama-3.3-70B-Instruct.jinja": "llama3",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
+    "unsloth-mistral-Devstral-Small-2507.jinja": "mistral",
+    "Qwen3-Coder.jinja": "generic",  # XML-style calls: a format quantserve does not parse natively
+    "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
+}
+END_MARKERS = ("<|im_end|>", "<|eot_id|>", "</s>", "<end_of_turn>")  # the template's, never in generated text
+
+WEATHER = Tool(
+    "get_weather",
+    "Current weather in a city.",
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+)
+TIME = Tool(
+    "get_time",
+    "The local time.",
+    {
+        "type": "object",
+        "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["tz"],
+        "additionalProperties": False,  # bounded, so that a random walk through the grammar ends
+    },
+)
+TOOLS = (WEATHER, TIME)
+CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]
+
+
+def template(name: str) -> ChatTemplate:
+    path = TEMPLATES / name
+    if not path.is_file():
+        pytest.skip(f"{path} not present (make test extracts llama.cpp's templates under bench/.build)")
+    return ChatTemplate(path.read_text(encoding="utf-8"), bos_token="<s>", eos_token="</s>")
+
+
+def rendered_turn(tmpl: ChatTemplate, fmt: ToolFormat, calls: list[tuple[str, dict]]) -> str:
+    """What the model would have written: the assistant turn holding `calls`, as the template renders it."""
+    history = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call{i:05d}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, (n, a) in enumerate(calls)
+        ],
+    }
+    choice = ToolChoice("auto")
+    msgs, extra = fmt.prepare(history, TOOLS, choice, True)
+    head = tmpl.render(msgs, add_generation_prompt=True, **extra)
+    msgs, extra = fmt.prepare([*history, assistant], TOOLS, choice, True)
+    full = tmpl.render(msgs, add_generation_prompt=False, **extra)
+    turn = full[_turn_start(head, full) :].rstrip()
+    for marker in END_MARKERS:
+        turn = turn.removesuffix(marker)
+    return turn
+
+
+def assemble(fmt: ToolFormat, pieces: list[str], finish: str = "stop", tools=TOOLS):
+    asm = ReplyAssembler(fmt.parser(), CallChecker(tools), parallel=True)
+    events = [e for p in pieces for e in asm.feed(p)]
+    more, reply = asm.finish(finish)
+    return events + more, reply
+
+
+def calls_of(reply) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in reply.tool_calls]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_is_read_from_the_template(name):
+    assert tool_format(template(name)).name == FAMILIES[name]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_rendered_calls_parse_back_whole_and_streamed(name):
+    tmpl = template(name)
+    fmt = tool_format(tmpl)
+    calls = CALLS[:1] if fmt.name == "llama3" else CALLS  # Llama 3's templates take one call per turn
+    turn = rendered_turn(tmpl, fmt, calls)
+    _, reply = assemble(fmt, [turn])
+    assert calls_of(reply) == calls, turn
+    assert reply.finish_reason == "tool_calls"
+    assert reply.content in (None, "<think>\n\n</think>"), reply.content  # Qwen3 renders an empty think block
+    rng = random.Random(0)
+    for split in range(5):  # streamed in pieces of 1..7 characters
+        pieces, i = [], 0
+        while i < len(turn):
+            k = 1 if split == 0 else rng.randint(1, 7)
+            pieces.append(turn[i : i + k])
+            i += k
+        events, streamed = assemble(fmt, pieces)
+        assert (streamed.content, streamed.finish_reason) == (reply.content, reply.finish_reason)
+        assert [(c.name, c.arguments) for c in streamed.tool_calls] == [
+            (c.name, c.arguments) for c in reply.tool_calls
+        ]
+        args: dict[int, str] = {}
+        for e in events:
+            if isinstance(e, CallDelta):
+                if e.name is not None:  # a call's first delta: id and name, once
+                    assert e.index not in args and e.id == streamed.tool_calls[e.index].id
+                    args[e.index] = ""
+                args[e.index] += e.arguments
+            else:
+                assert not any(m in e.text for m in ("<tool_call", "[TOOL_CALLS", '{"name"', '"tool_call'))
+        assert [args[i] for i in sorted(args)] == [c.arguments for c in reply.tool_calls]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_malformed_calls_come_back_as_text(name):
+    tmpl = template(name)
+    fmt = tool_format(tmpl)
+    turn = rendered_turn(tmpl, fmt, CALLS[:1])
+    cut = turn[: turn.index('"Paris"') + 4]
+    unknown = turn.replace("get_weather", "get_wether")
+    against_schema = turn.replace('"Paris"', "42")
+    for text, finish in [(cut, "length"), (unknown, "stop"), (against_schema, "stop")]:
+        _, reply = assemble(fmt, [text], finish)
+        assert reply.tool_calls == () and reply.content == text and reply.finish_reason == finish
+
+
+def test_generic_format_prompt_describes_the_tools_and_rewrites_the_history():
+    """gemma-2 knows no tools and no system role: the tools go into the first user turn, an earlier call becomes
+    the JSON the format writes, and a tool result becomes a user message."""
+    tmpl = template("google-gemma-2-2b-it.jinja")
+    req = ChatRequest(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "-3 C"},
+        ],
+        tools=TOOLS,
+        tool_choice=ToolChoice("auto"),
+    )
+    text = build_prompt(tmpl, req, {}).text
+    assert text.count("<start_of_turn>user") == 2 and "Be brief." in text and '"name": "get_time"' in text
+    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}' in text
+    assert '{"tool_response": {"name": "get_weather", "content": "-3 C"}}' in text
+
+
+def test_mistral_ids_become_nine_characters_the_template_accepts():
+    tmpl = template("mistralai-Mistral-Nemo-Instruct-2407.jinja")
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_abcdefghijklmnop",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abcdefghijklmnop", "content": "sunny"},
+    ]
+    text = build_prompt(
+        tmpl, ChatRequest(msgs, TOOLS, ToolChoice("auto")), {}
+    ).text  # the template raises if not
+    call_id, result_id = text.split('"id": "')[1][:9], text.split('"call_id": "')[1][:9]
+    assert call_id == result_id and call_id.isalnum()
+
+
+# ---- the grammar holds the model to what the parser reads -----------------------------------------------
+
+MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+
+
+def byte_vocabulary(special_markers: bool) -> tuple[GuideCompiler, Vocabulary]:
+    """One token per byte, an end token, and the tool-call markers: as control tokens, or absent (plain text)."""
+    specials = MARKERS if special_markers else []
+    pieces = [b"</s>"] + [m.encode() for m in specials] + [bytes([b]) for b in range(256)]
+    base = 1 + len(specials)
+    vocab = Vocabulary(pieces, frozenset(range(base)), (0,), lambda text: [base + b for b in text.encode()])
+    return GuideCompiler(vocab, len(pieces)), vocab
+
+
+def walk(compiler: GuideCompiler, vocab: Vocabulary, grammar, rng: random.Random, prefix: list[int]) -> str:
+    """A random reply the grammar allows after `prefix`: uniform over the allowed tokens, ending when the end
+    token is allowed and a coin says so."""
+    guide = compiler.guide(grammar)
+    out = list(prefix)
+    for t in out:
+        assert guide.accept(t), guide.error
+    row = np.zeros(compiler.mask_words, dtype=np.int32)
+    for _ in range(2000):
+        guide.fill(row)
+        ok = np.nonzero(allowed(row, compiler.n_vocab))[0].tolist()
+        if 0 in ok and (len(ok) == 1 or rng.random() < 0.5):
+            return b"".join(vocab.pieces[t] for t in out).decode("utf-8", "replace")
+        t = rng.choice([t for t in ok if t != 0])
+        assert guide.accept(t), guide.error
+        out.append(t)
+    raise AssertionError("the walk did not end")
+
+
+PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja",
+          "mistralai-Mistral-Nemo-Instruct-2407.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja",
+          "unsloth-mistral-Devstral-Small-2507.jinja", "google-gemma-2-2b-it.jinja"]  # fmt: skip
+TRIGGERS = {"hermes": "<tool_call>", "llama3": "", "mistral": "[TOOL_CALLS]", "generic": ""}
+
+
+@pytest.mark.parametrize("special_markers", [True, False], ids=["control-markers", "text-markers"])
+@pytest.mark.parametrize("name", PROBED)
+def test_every_reply_the_grammar_allows_parses_into_valid_calls(name, special_markers):
+    fmt = tool_format(template(name))
+    compiler, vocab = byte_vocabulary(special_markers)
+    rng = random.Random(hash((name, special_markers)) & 0xFFFF)
+    parallel = fmt.name != "llama3"
+    cases = [(ToolChoice("required"), TOOLS, []), (ToolChoice("required", "get_time"), (TIME,), [])]
+    trigger = TRIGGERS[fmt.name]
+    if trigger:  # auto: free text, then once the model opens a call, the call is held to the schema
+        marker = [compiler.special[trigger]] if trigger in compiler.special else vocab.tokenize(trigger)
+        cases.append((ToolChoice("auto"), TOOLS, vocab.tokenize("Let me look that up.") + marker))
+    for choice, allowed_tools, prefix in cases:
+        grammar = fmt.grammar(allowed_tools, choice, parallel, None, compiler.special)
+        for _ in range(6):
+            text = walk(compiler, vocab, grammar, rng, prefix)
+            _, reply = assemble(fmt, [text])
+            assert reply.tool_calls, (choice, text)
+            assert all(c.name in {t.name for t in allowed_tools} for c in reply.tool_calls)
+            if not parallel:
+                assert len(reply.tool_calls) == 1
