@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantserve.chat.template import ChatTemplate
+from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
 from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.llm_engine import LLMEngine
@@ -121,14 +121,34 @@ class LLM:
 
     # ---- prompts ------------------------------------------------------------------------------
 
-    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+    def _template(self) -> ChatTemplate:
         if self.chat_template is None:
             raise ChatTemplateError(
-                f"model {self.name!r} has no chat template, so it cannot serve /v1/chat/completions; use "
-                "/v1/completions, or restart with --chat-template FILE",
+                f"model {self.name!r} has no chat template, so it cannot serve chats; use /v1/completions, or "
+                "restart with --chat-template FILE",
                 param="messages",
             )
-        return self.chat_template.render(messages, add_generation_prompt=True, **extra)
+        return self.chat_template
+
+    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+        return self._template().render(messages, add_generation_prompt=True, **extra)
+
+    def prepare_chat(self, request: ChatRequest) -> tuple[ChatPrompt, list[int]]:
+        """The prompt of a chat (its tools in the model's own tool-call format) and its tokens; the prompt also
+        carries the grammar for the reply and makes the parser that reads tool calls out of it.
+
+        Raises:
+            ChatTemplateError: the model has no template, or it rejects these messages.
+            InvalidRequestError: a response schema or tool schema the grammar engine cannot take.
+        """
+        special = self.guides.special if request.calls_tools else {}
+        prompt = build_prompt(self._template(), request, special)
+        return prompt, self.tokenize_prompt(prompt.text, chat=True)
+
+    @property
+    def tool_format(self) -> str | None:
+        """The name of the tool-call format the model's template uses (None without a template)."""
+        return tool_format(self.chat_template).name if self.chat_template is not None else None
 
     def tokenize_prompt(self, text: str, *, chat: bool) -> list[int]:
         add_special = self.runner.adds_bos()
@@ -187,7 +207,7 @@ class LLM:
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
         """Stream the assistant's reply to OpenAI-style messages; `sampling` takes SamplingParams' fields."""
-        tokens = self.tokenize_prompt(self.render_chat(messages), chat=True)
+        prompt, tokens = self.prepare_chat(ChatRequest(messages))
         params = self.sampling_params(
             **{**sampling, "max_tokens": self.check_context(len(tokens), sampling.get("max_tokens"))}
         )

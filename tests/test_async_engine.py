@@ -128,14 +128,15 @@ def test_a_failing_backend_fails_the_streams_instead_of_hanging():
 
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done():
-    from quantserve.server.openai_api import _errors_as_events
+    from quantserve.server.generation import event_stream
+    from quantserve.server.openai_api import _openai_error
 
     async def chunks():
         yield b"data: {}\n\n"
         raise RuntimeError("backend exploded")
 
     async def main():
-        return [c async for c in _errors_as_events(chunks())]
+        return [c async for c in event_stream(chunks(), _openai_error).body_iterator]
 
     out = asyncio.run(main())
     assert out[0] == b"data: {}\n\n" and b'"error"' in out[1] and b"backend exploded" in out[1]

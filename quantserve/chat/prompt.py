@@ -44,6 +44,12 @@ class ChatPrompt:
     format: ToolFormat | None  # set when the reply may hold tool calls
     request: ChatRequest
 
+    @property
+    def skip_special_tokens(self) -> bool:
+        """Whether control tokens may print nothing: not when the reply's tool-call markers are control tokens
+        (`[TOOL_CALLS]`, `<|python_tag|>`), which the parser must see."""
+        return self.format is None or not self.format.native
+
     def assembler(self) -> ReplyAssembler | None:
         """A parser for one reply (one per choice), or None when the reply is plain text."""
         if self.format is None:

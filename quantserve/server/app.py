@@ -17,10 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quantserve import __version__
 from quantserve.errors import EmbeddingsUnsupportedError, InvalidRequestError, QuantserveError
 from quantserve.llm import LLM
-from quantserve.server import openai_api
+from quantserve.server import anthropic_api, openai_api, responses_api
 from quantserve.server.errors import error_response, install_error_handlers
 from quantserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from quantserve.server.protocol import EmbeddingRequest
+from quantserve.server.response_store import ResponseStore
 from quantserve.server.settings import ServerSettings
 from quantserve.server.state import ServerState
 
@@ -74,8 +75,11 @@ def create_app(
     app = FastAPI(title="quantserve", version=__version__, lifespan=lifespan)
     app.state.qs = state
     app.state.settings = settings
+    app.state.responses = ResponseStore(settings.responses_store_size)
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
 
     @app.get("/health")
     async def health():

@@ -24,18 +24,44 @@ _HTTP_TYPES = {
 }
 
 
+ANTHROPIC_ROUTES = "/v1/messages"  # and /v1/messages/count_tokens
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def anthropic_error_body(message: str, type_: str) -> dict:
+    return {"type": "error", "error": {"type": type_, "message": message}}
+
+
+def _body_for(path: str, status: int, message: str, type_: str, param=None, code=None) -> dict:
+    if path.startswith(ANTHROPIC_ROUTES):
+        return anthropic_error_body(message, _ANTHROPIC_TYPES.get(status, "api_error"))
+    return error_body(message, type_, param, code)
+
+
 def error_response(
-    status: int, message: str, type_: str, param=None, code=None, headers=None
+    status: int, message: str, type_: str, param=None, code=None, headers=None, path: str = ""
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+    body = _body_for(path, status, message, type_, param, code)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
-    return json.dumps(error_body(message, _HTTP_TYPES.get(status, "server_error"), None, code)).encode()
+def error_bytes(status: int, message: str, code: str | None = None, path: str = "") -> bytes:
+    return json.dumps(
+        _body_for(path, status, message, _HTTP_TYPES.get(status, "server_error"), None, code)
+    ).encode()
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -58,24 +84,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QuantserveError)
-    async def _quantserve(_: Request, exc: QuantserveError) -> JSONResponse:
+    async def _quantserve(request: Request, exc: QuantserveError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.http_status == 503 else None
-        return error_response(exc.http_status, exc.message, exc.error_type, exc.param, exc.code, headers)
+        return error_response(
+            exc.http_status, exc.message, exc.error_type, exc.param, exc.code, headers, request.url.path
+        )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param, "invalid_request")
+        return error_response(
+            400, message, "invalid_request_error", param, "invalid_request", path=request.url.path
+        )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = exc.status_code
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if status == 404:
             message = "no such route; see /docs for the API"
-        return error_response(status, message, _HTTP_TYPES.get(status, "server_error"))
+        return error_response(status, message, _HTTP_TYPES.get(status, "server_error"), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return error_response(500, message, "server_error", path=request.url.path)

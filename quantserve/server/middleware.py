@@ -9,13 +9,23 @@ from quantserve.server.errors import error_bytes
 from quantserve.server.metrics import Metrics
 
 _ROUTES = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/ready"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/embeddings",
+        "/v1/models",
+        "/health",
+        "/ready",
+    }
 )
 _OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
 
 
-async def _send_error(send, status: int, message: str, code: str | None = None, headers=()) -> None:
-    body = error_bytes(status, message, code)
+async def _send_error(scope, send, status: int, message: str, code: str | None = None, headers=()) -> None:
+    body = error_bytes(status, message, code, scope["path"])
     await send(
         {
             "type": "http.response.start",
@@ -40,7 +50,7 @@ class BodyLimitMiddleware:
         )
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
-                return await _send_error(send, 413, too_big, "request_too_large")
+                return await _send_error(scope, send, 413, too_big, "request_too_large")
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -49,7 +59,7 @@ class BodyLimitMiddleware:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await _send_error(send, 413, too_big, "request_too_large")
+                return await _send_error(scope, send, 413, too_big, "request_too_large")
             if not msg.get("more_body"):
                 break
         body, replayed = b"".join(chunks), False
@@ -65,7 +75,8 @@ class BodyLimitMiddleware:
 
 
 class ApiKeyMiddleware:
-    """Bearer-token check for the API routes, compared in constant time."""
+    """API key check for the API routes, compared in constant time: `Authorization: Bearer KEY` (OpenAI's
+    clients) or `x-api-key: KEY` (Anthropic's)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.key = app, api_key.encode()
@@ -73,13 +84,15 @@ class ApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
             return await self.app(scope, receive, send)
-        auth = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self.key)):
             return await _send_error(
+                scope,
                 send,
                 401,
-                "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                "missing or wrong API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 "invalid_api_key",
                 [(b"www-authenticate", b"Bearer")],
             )

@@ -2,163 +2,42 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from quantserve.engine.async_engine import RequestStream
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.sequence import SequenceOutput
-from quantserve.errors import InvalidRequestError, QuantserveError
+from quantserve.chat import ChatRequest, TextDelta
+from quantserve.chat.tools import parse_openai_tool_choice, parse_openai_tools
+from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.errors import error_body
-from quantserve.server.protocol import ChatCompletionRequest, CompletionRequest, response_format_grammar
+from quantserve.server.generation import (
+    Choice,
+    collect,
+    event_stream,
+    merge,
+    sse,
+    start,
+    start_chat,
+    until_disconnect,
+    usage,
+)
+from quantserve.server.protocol import ChatCompletionRequest, CompletionRequest, response_schema
 from quantserve.server.state import ServerState
 from quantserve.structured import Grammar
 
 router = APIRouter()
-log = logging.getLogger("quantserve.server")
 
 
-def _dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def _openai_error(message: str) -> list[bytes]:
+    return [sse(error_body(message, "server_error")), b"data: [DONE]\n\n"]
 
 
-def _sse(obj) -> bytes:
-    return f"data: {_dumps(obj)}\n\n".encode()
-
-
-@dataclass
-class _Choice:
-    """Accumulates one choice's outputs."""
-
-    index: int
-    prompt_index: int
-    text: str = ""
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-
-
-async def _merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:
-    """Interleave several choices' outputs as they arrive. However this ends (done, error, the client gone), every
-    choice still running is aborted."""
-    try:
-        if len(gens) == 1:
-            async for out in gens[0]:
-                yield 0, out
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, gen: RequestStream) -> None:
-            try:
-                async for out in gen:
-                    await q.put((i, out))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
-                await q.put((i, exc))
-            finally:
-                await q.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                i, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-    finally:
-        for g in gens:
-            g.close()
-
-
-def _start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str):
-    """Submit n choices per prompt. Seeds differ per choice (seed + i) so choices are not identical."""
-    gens, choices = [], []
-    try:
-        for p_idx, tokens in enumerate(prompts):
-            for j in range(n):
-                params = base
-                if n > 1 and base.seed is not None:
-                    params = SamplingParams(**{**base.__dict__, "seed": base.seed + j})
-                gens.append(llm.generate(tokens, params, f"{rid}-{p_idx}-{j}"))
-                choices.append(_Choice(index=len(choices), prompt_index=p_idx, num_prompt_tokens=len(tokens)))
-    except BaseException:
-        for g in gens:
-            g.close()  # a later choice was refused (queue full): abort the ones already queued
-        raise
-    return gens, choices
-
-
-async def _errors_as_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Once a stream has started its status is sent; an engine failure then becomes an OpenAI error object in the
-    stream, followed by [DONE], instead of a connection cut without explanation."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except Exception as exc:  # noqa: BLE001 - reported to the client, and logged
-        log.exception("generation failed mid-stream")
-        message = exc.message if isinstance(exc, QuantserveError) else f"{type(exc).__name__}: {exc}"
-        yield _sse(error_body(f"generation failed: {message}", "server_error"))
-        yield b"data: [DONE]\n\n"
-
-
-def _usage(choices: list[_Choice], prompts: list[list[int]]) -> dict:
-    prompt = sum(len(p) for p in prompts)
-    completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def _until_disconnect(request: Request, coro):
-    """Run a non-streaming generation, cancelling it (and so aborting its sequences) if the client goes away."""
-    task = asyncio.ensure_future(coro)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task not in done:
-        task.cancel()
-        return None
-    return task.result()
-
-
-async def _collect(state: ServerState, gens, choices: list[_Choice], t0: float) -> dict[int, list]:
-    """Gather every choice's text for a non-streaming response; returns the logprobs per choice."""
-    lps: dict[int, list] = {c.index: [] for c in choices}
-    first = True
-    async for i, out in _merge(gens):
-        if first:
-            state.metrics.ttft.observe(time.perf_counter() - t0)
-            first = False
-        c = choices[i]
-        c.text += out.text
-        c.num_output_tokens = out.num_output_tokens
-        c.finish_reason = out.finish_reason or c.finish_reason
-        if out.logprobs:
-            lps[i].extend(out.logprobs)
-    return lps
-
-
-def _params(llm: LLM, req, *, max_tokens: int, grammar: Grammar | None, logprobs: bool, top_logprobs: int):
+def _params(
+    llm: LLM, req, *, max_tokens: int, grammar: Grammar | None, logprobs: bool, top_logprobs: int, **more
+):
     bias = None
     if req.logit_bias:
         try:
@@ -181,10 +60,24 @@ def _params(llm: LLM, req, *, max_tokens: int, grammar: Grammar | None, logprobs
         grammar=grammar,
         logit_bias=bias,
         ignore_eos=req.ignore_eos or None,
+        **more,
     )
 
 
 # ---- chat --------------------------------------------------------------------------------------
+
+
+def chat_request(body: ChatCompletionRequest, llm: LLM) -> ChatRequest:
+    """The OpenAI chat request as the library's ChatRequest (400s name the field at fault)."""
+    tools = parse_openai_tools(body.tools)
+    return ChatRequest(
+        messages=[m.for_template(i, llm.name) for i, m in enumerate(body.messages)],
+        tools=tools,
+        tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_schema=response_schema(body.response_format),
+        template_kwargs=dict(body.chat_template_kwargs or {}),
+    )
 
 
 def _chat_logprobs(llm: LLM, lps) -> list[dict]:
@@ -195,27 +88,54 @@ def _chat_logprobs(llm: LLM, lps) -> list[dict]:
     return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
+def _message(c: Choice) -> dict:
+    reply = c.reply
+    assert reply is not None
+    message: dict = {
+        "role": "assistant",
+        "content": reply.content if reply.tool_calls else (reply.content or ""),
+    }
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+            for t in reply.tool_calls
+        ]
+    return message
+
+
+def _delta(event) -> dict:
+    if isinstance(event, TextDelta):
+        return {"content": event.text}
+    call: dict = {"index": event.index}
+    if event.name is not None:  # a call's first delta
+        call |= {
+            "id": event.id,
+            "type": "function",
+            "function": {"name": event.name, "arguments": event.arguments},
+        }
+    else:
+        call["function"] = {"arguments": event.arguments}
+    return {"tool_calls": [call]}
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.qs
     llm = state.require_model(body.model)
     t0 = time.perf_counter()
-    extra = dict(body.chat_template_kwargs or {})
-    if body.tools:
-        extra["tools"] = body.tools
-    prompt_text = llm.render_chat([m.for_template() for m in body.messages], **extra)
-    tokens = llm.tokenize_prompt(prompt_text, chat=True)
+    prompt, tokens = llm.prepare_chat(chat_request(body, llm))
     max_tokens = llm.check_context(len(tokens), body.max_completion_tokens or body.max_tokens)
     params = _params(
         llm,
         body,
         max_tokens=max_tokens,
-        grammar=response_format_grammar(body.response_format),
+        grammar=prompt.grammar,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
+        skip_special_tokens=prompt.skip_special_tokens,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gens, choices = _start(llm, [tokens], params, body.n, rid)
+    gens, choices = start_chat(llm, prompt, tokens, params, body.n, rid)
     created = int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": llm.name}
     if body.stream:
@@ -230,33 +150,37 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                yield _sse({**base, "choices": [first], **extra_fields})
+                yield sse({**base, "choices": [first], **extra_fields})
             first_token = True
-            async for i, out in _merge(gens):
+            async for i, out in merge(gens):
                 c = choices[i]
                 if first_token:
                     state.metrics.ttft.observe(time.perf_counter() - t0)
                     first_token = False
-                c.num_output_tokens = out.num_output_tokens
-                delta = {"content": out.text} if out.text else {}
+                events = c.take(out)
                 lp = {"content": _chat_logprobs(llm, out.logprobs)} if out.logprobs else None
-                if out.text or lp:
-                    ch = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}
-                    yield _sse({**base, "choices": [ch], **extra_fields})
-                if out.finish_reason:
-                    ch = {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
-                    yield _sse({**base, "choices": [ch], **extra_fields})
+                for k, event in enumerate(events):
+                    ch = {
+                        "index": i,
+                        "delta": _delta(event),
+                        "logprobs": lp if k == 0 else None,
+                        "finish_reason": None,
+                    }
+                    yield sse({**base, "choices": [ch], **extra_fields})
+                if lp and not events:
+                    ch = {"index": i, "delta": {}, "logprobs": lp, "finish_reason": None}
+                    yield sse({**base, "choices": [ch], **extra_fields})
+                if c.reply is not None:
+                    ch = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.reply.finish_reason}
+                    yield sse({**base, "choices": [ch], **extra_fields})
             state.record(choices, [tokens], t0)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(choices, [tokens])})
+                yield sse({**base, "choices": [], "usage": usage(choices, [tokens])})
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(
-            _errors_as_events(stream()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return event_stream(stream(), _openai_error)
 
-    all_lps = await _until_disconnect(request, _collect(state, gens, choices, t0))
-    if all_lps is None:
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
     state.record(choices, [tokens], t0)
     return {
@@ -267,13 +191,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": _chat_logprobs(llm, all_lps[c.index])} if body.logprobs else None,
-                "finish_reason": c.finish_reason,
+                "message": _message(c),
+                "logprobs": {"content": _chat_logprobs(llm, c.logprobs)} if body.logprobs else None,
+                "finish_reason": c.reply.finish_reason if c.reply else c.finish_reason,
             }
             for c in choices
         ],
-        "usage": _usage(choices, [tokens]),
+        "usage": usage(choices, [tokens]),
     }
 
 
@@ -326,7 +250,7 @@ async def completions(body: CompletionRequest, request: Request):
         llm, body, max_tokens=max_tokens, grammar=None, logprobs=want_lp, top_logprobs=body.logprobs or 0
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gens, choices = _start(llm, prompts, params, body.n, rid)
+    gens, choices = start(llm, prompts, params, body.n, rid)
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": llm.name}
     if isinstance(body.prompt, str):
@@ -347,10 +271,10 @@ async def completions(body: CompletionRequest, request: Request):
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    yield _sse({**base, "choices": [ch], **extra_fields})
+                    yield sse({**base, "choices": [ch], **extra_fields})
             first = True
             offsets = {c.index: 0 for c in choices}
-            async for i, out in _merge(gens):
+            async for i, out in merge(gens):
                 if first:
                     state.metrics.ttft.observe(time.perf_counter() - t0)
                     first = False
@@ -359,18 +283,15 @@ async def completions(body: CompletionRequest, request: Request):
                 offsets[i] += len(out.text)
                 if out.text or lp or out.finish_reason:
                     ch = {"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
-                    yield _sse({**base, "choices": [ch], **extra_fields})
+                    yield sse({**base, "choices": [ch], **extra_fields})
             state.record(choices, prompts, t0)
             if include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(choices, prompts)})
+                yield sse({**base, "choices": [], "usage": usage(choices, prompts)})
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(
-            _errors_as_events(stream()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+        return event_stream(stream(), _openai_error)
 
-    all_lps = await _until_disconnect(request, _collect(state, gens, choices, t0))
-    if all_lps is None:
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
     state.record(choices, prompts, t0)
     return {
@@ -380,10 +301,10 @@ async def completions(body: CompletionRequest, request: Request):
             {
                 "index": c.index,
                 "text": (echo_text[c.prompt_index] if body.echo else "") + c.text,
-                "logprobs": _completion_logprobs(llm, all_lps[c.index], 0) if want_lp else None,
+                "logprobs": _completion_logprobs(llm, c.logprobs, 0) if want_lp else None,
                 "finish_reason": c.finish_reason,
             }
             for c in choices
         ],
-        "usage": _usage(choices, prompts),
+        "usage": usage(choices, prompts),
     }

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantserve.errors import InvalidRequestError
-from quantserve.structured import Grammar, json_schema_grammar
 
 
 class StreamOptions(BaseModel):
@@ -50,24 +50,88 @@ class _Request(BaseModel):
         return stops
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+
+
+def part_text(part: Any, at: str, model: str, text_types: frozenset[str] = frozenset({"text"})) -> str:
+    """The text of one content part at `at` (e.g. "messages[0].content[1]").
+
+    Raises:
+        InvalidRequestError: an image part (no served model takes images yet), or a part of another kind.
+    """
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in text_types and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in IMAGE_PART_TYPES:
+        raise InvalidRequestError(
+            f"'{at}' is an image, but the model {model!r} takes text only (it has no vision encoder); send text, "
+            "or serve a vision model",
+            param=at,
+        )
+    raise InvalidRequestError(
+        f"'{at}' has type {kind!r}; this route takes content parts of type {' or '.join(sorted(text_types))}",
+        param=at,
+    )
+
+
+def text_of(content: Any, where: str, model: str, text_types: frozenset[str] = frozenset({"text"})) -> str:
+    """A message's content as one string: a string as is, a list of parts as their texts joined (see part_text)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part_text(part, f"{where}[{j}]", model, text_types) for j, part in enumerate(content))
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, name, … reach the template untouched
+    model_config = ConfigDict(extra="allow")  # name, … reach the template untouched
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(self, i: int, model: str) -> dict[str, Any]:
+        """The message as chat templates take it (string content; calls with JSON-text arguments).
+
+        Raises:
+            InvalidRequestError: naming the field: an image or unknown content part, a tool message without
+                tool_call_id, a malformed tool call.
+        """
         d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            d["content"] = "".join(p.text for p in self.content)
-        elif self.content is None:
-            d["content"] = ""
+        d["content"] = text_of(self.content, f"messages[{i}].content", model)
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError(
+                f"'messages[{i}].tool_call_id' is required: a tool message answers the tool call with that id",
+                param=f"messages[{i}].tool_call_id",
+            )
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidRequestError(
+                    f"'messages[{i}].tool_calls' belongs to assistant messages",
+                    param=f"messages[{i}].tool_calls",
+                )
+            d["tool_calls"] = [
+                _tool_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(self.tool_calls)
+            ]
         return d
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise InvalidRequestError(f"'{where}.function.name' is required", param=f"{where}.function.name")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    if not isinstance(args, str):
+        raise InvalidRequestError(
+            f"'{where}.function.arguments' must be a JSON string", param=f"{where}.function.arguments"
+        )
+    call_id = call.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        raise InvalidRequestError(f"'{where}.id' is required", param=f"{where}.id")
+    return {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
 
 
 class JSONSchemaFormat(BaseModel):
@@ -88,6 +152,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -108,16 +174,15 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = None
 
 
-def response_format_grammar(fmt: ResponseFormat | None) -> Grammar | None:
-    """The grammar that forces the output to be a JSON object (json_object) or to match a JSON schema
-    (json_schema), enforced on either backend by llguidance's token masks."""
+def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema response_format asks the reply to match (json_object: any object), or None."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return json_schema_grammar({"type": "object"}, param="response_format")
+        return {"type": "object"}
     if fmt.json_schema is None:
         raise InvalidRequestError(
             "response_format type 'json_schema' needs a 'json_schema' object with a 'schema'",
             param="response_format",
         )
-    return json_schema_grammar(fmt.json_schema.schema_, param="response_format")
+    return fmt.json_schema.schema_

@@ -55,6 +55,9 @@ class ServerSettings(BaseModel):
     chat_template: str | None = Field(
         default=None, description="Jinja file overriding the model's chat template"
     )
+    responses_store_size: int = Field(
+        default=1024, ge=0, description="responses kept for previous_response_id (/v1/responses; 0: none)"
+    )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="largest request body (else 413)"
     )

@@ -30,6 +30,9 @@ class ServerState:
             )
         return self.llm
 
+    def observe_ttft(self, t0: float) -> None:
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+
     def record(self, choices, prompts, t0: float) -> None:
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         self.metrics.completion_tokens.inc(sum(c.num_output_tokens for c in choices))

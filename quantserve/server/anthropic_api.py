@@ -1,0 +1,189 @@
+"""/v1/messages and /v1/messages/count_tokens: Anthropic's Messages API translated onto the chat path, streamed
+with Anthropic's events; errors on these routes use Anthropic's error shape (server/errors.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
+from quantserve.llm import LLM
+from quantserve.server.anthropic_protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_tool_choice,
+    anthropic_tools,
+    chat_messages,
+    system_text,
+)
+from quantserve.server.errors import anthropic_error_body
+from quantserve.server.generation import (
+    Choice,
+    collect,
+    event_stream,
+    merge,
+    sse,
+    start_chat,
+    until_disconnect,
+)
+from quantserve.server.state import ServerState
+
+router = APIRouter()
+
+
+def _chat_request(body: MessagesRequest | CountTokensRequest, llm: LLM) -> ChatRequest:
+    tools = anthropic_tools(body.tools)
+    choice, parallel = anthropic_tool_choice(body.tool_choice, tools)
+    system = system_text(body.system, llm.name)
+    messages = chat_messages(body.messages, llm.name)
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+    schema = body.response_schema() if isinstance(body, MessagesRequest) else None
+    return ChatRequest(messages, tools, choice, parallel, response_schema=schema)
+
+
+def _stop(c: Choice) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence."""
+    reply = c.reply
+    assert reply is not None
+    if reply.tool_calls and reply.finish_reason == "tool_calls":
+        return "tool_use", None
+    if reply.finish_reason == "length":
+        return "max_tokens", None
+    return ("stop_sequence", c.stop) if c.stop else ("end_turn", None)
+
+
+def _input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}  # only a call cut off mid-stream has arguments that are not JSON
+
+
+def _content(reply: Reply) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
+    return blocks + [
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
+        for c in reply.tool_calls
+    ]
+
+
+def _usage(c: Choice) -> dict[str, int]:
+    return {
+        "input_tokens": c.num_prompt_tokens,
+        "output_tokens": c.num_output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+class _Blocks:
+    """Anthropic's stream: content blocks opened and closed around text and tool-call deltas, in order."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" or "tool_use"
+
+    def take(self, event: TextDelta | CallDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(event, TextDelta):
+            if self.open != "text":
+                out += self._start({"type": "text", "text": ""}, "text")
+            delta = {"type": "text_delta", "text": event.text}
+        else:
+            if event.name is not None:
+                out += self._start(
+                    {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}, "tool_use"
+                )
+            if not event.arguments:
+                return out
+            delta = {"type": "input_json_delta", "partial_json": event.arguments}
+        data = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return [*out, sse(data, event="content_block_delta")]
+
+    def _start(self, block: dict[str, Any], kind: str) -> list[bytes]:
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        data = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return [*out, sse(data, event="content_block_start")]
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [sse({"type": "content_block_stop", "index": self.index}, event="content_block_stop")]
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, request: Request):
+    state: ServerState = request.app.state.qs
+    llm = state.require_model(body.model)
+    t0 = time.perf_counter()
+    prompt, tokens = llm.prepare_chat(_chat_request(body, llm))
+    params = llm.sampling_params(
+        max_tokens=llm.check_context(len(tokens), body.max_tokens),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=tuple(body.stop_sequences or ()),
+        grammar=prompt.grammar,
+        skip_special_tokens=prompt.skip_special_tokens,
+    )
+    mid = f"msg_{uuid.uuid4().hex}"
+    gens, choices = start_chat(llm, prompt, tokens, params, 1, mid)
+    c = choices[0]
+    base = {"id": mid, "type": "message", "role": "assistant", "model": llm.name}
+    if body.stream:
+
+        async def stream():
+            start = {**base, "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(c)}
+            yield sse({"type": "message_start", "message": start}, event="message_start")
+            yield sse({"type": "ping"}, event="ping")
+            blocks = _Blocks()
+            first = True
+            async for _, out in merge(gens):
+                if first:
+                    state.observe_ttft(t0)
+                    first = False
+                for event in c.take(out):
+                    for chunk in blocks.take(event):
+                        yield chunk
+            for chunk in blocks.close():
+                yield chunk
+            state.record(choices, [tokens], t0)
+            reason, seq = _stop(c)
+            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
+            yield sse({**delta, "usage": {"output_tokens": c.num_output_tokens}}, event="message_delta")
+            yield sse({"type": "message_stop"}, event="message_stop")
+
+        def failed(message: str) -> list[bytes]:
+            return [sse(anthropic_error_body(message, "api_error"), event="error")]
+
+        return event_stream(stream(), failed)
+
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
+        return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
+    state.record(choices, [tokens], t0)
+    reason, seq = _stop(c)
+    assert c.reply is not None
+    return {
+        **base,
+        "content": _content(c.reply),
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": _usage(c),
+    }
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    state: ServerState = request.app.state.qs
+    llm = state.require_model(body.model)
+    _, tokens = llm.prepare_chat(_chat_request(body, llm))
+    return {"input_tokens": len(tokens)}

@@ -1,0 +1,168 @@
+"""Anthropic's Messages API request (pydantic, the HTTP boundary) and its translation to chat messages and tools.
+
+`system` becomes a system message; a user message's `tool_result` blocks become `tool` messages (before its
+text); an assistant message's `tool_use` blocks become its tool_calls, their `input` JSON text as arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from quantserve.chat import Tool, ToolChoice
+from quantserve.chat.tools import check_unique, checked_choice, make_tool
+from quantserve.errors import InvalidRequestError
+from quantserve.server.protocol import part_text, text_of
+
+TEXT = frozenset({"text"})
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int = Field(ge=1)  # required, as Anthropic's API has it
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # its "format": {"type": "json_schema", "schema": {...}}
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+    def response_schema(self) -> dict[str, Any] | None:
+        fmt = (self.output_config or {}).get("format")
+        if fmt is None:
+            return None
+        if (
+            not isinstance(fmt, dict)
+            or fmt.get("type") != "json_schema"
+            or not isinstance(fmt.get("schema"), dict)
+        ):
+            raise InvalidRequestError(
+                '\'output_config.format\' must be {"type": "json_schema", "schema": {...}}',
+                param="output_config.format",
+            )
+        return fmt["schema"]
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (len(v) > 16 or any(not s for s in v)):
+            raise ValueError("at most 16 stop sequences, none of them empty")
+        return v
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+def anthropic_tools(raw: list[Any] | None) -> tuple[Tool, ...]:
+    """Client tools: [{"name", "description", "input_schema"}]."""
+    tools = []
+    for i, item in enumerate(raw or []):
+        where = f"tools[{i}]"
+        if not isinstance(item, dict) or item.get("type", "custom") != "custom":
+            kind = item.get("type") if isinstance(item, dict) else None
+            raise InvalidRequestError(
+                f"'{where}' has type {kind!r}; this server runs client tools only "
+                '({"name": ..., "input_schema": {...}})',
+                param=where,
+            )
+        if "input_schema" not in item:
+            raise InvalidRequestError(f"'{where}.input_schema' is required", param=f"{where}.input_schema")
+        tools.append(
+            make_tool(
+                item.get("name"),
+                item.get("description"),
+                item["input_schema"],
+                param=where,
+                schema_param=f"{where}.input_schema",
+            )
+        )
+    return check_unique(tools, "tools")
+
+
+def anthropic_tool_choice(raw: dict[str, Any] | None, tools: tuple[Tool, ...]) -> tuple[ToolChoice, bool]:
+    """(choice, parallel): auto, any (some call), tool (that one), none; disable_parallel_tool_use."""
+    if raw is None:
+        return ToolChoice("auto" if tools else "none"), True
+    kind = raw.get("type")
+    parallel = not raw.get("disable_parallel_tool_use", False)
+    if kind == "auto":
+        choice = ToolChoice("auto" if tools else "none")
+    elif kind == "any":
+        choice = ToolChoice("required")
+    elif kind == "none":
+        choice = ToolChoice("none")
+    elif kind == "tool":
+        if not isinstance(raw.get("name"), str):
+            raise InvalidRequestError(
+                "'tool_choice.name' is required with type 'tool'", param="tool_choice.name"
+            )
+        choice = ToolChoice("required", raw["name"])
+    else:
+        raise InvalidRequestError(
+            f"'tool_choice.type' must be auto, any, tool or none; got {kind!r}", param="tool_choice.type"
+        )
+    return checked_choice(choice, tools, "tool_choice"), parallel
+
+
+def system_text(system: str | list[dict[str, Any]] | None, model: str) -> str:
+    return text_of(system, "system", model, TEXT)
+
+
+def chat_messages(messages: list[AnthropicMessage], model: str) -> list[dict[str, Any]]:
+    """Anthropic messages as chat messages (see the module docstring)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(m.content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            at = f"{where}[{j}]"
+            if kind == "tool_result" and m.role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise InvalidRequestError(f"'{at}.tool_use_id' is required", param=f"{at}.tool_use_id")
+                content = text_of(block.get("content"), f"{at}.content", model, TEXT)
+                if block.get("is_error"):
+                    content = f"Error: {content}"
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
+            elif kind == "tool_use" and m.role == "assistant":
+                for key in ("id", "name"):
+                    if not isinstance(block.get(key), str) or not block[key]:
+                        raise InvalidRequestError(f"'{at}.{key}' is required", param=f"{at}.{key}")
+                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+                function = {"name": block["name"], "arguments": arguments}
+                calls.append({"id": block["id"], "type": "function", "function": function})
+            elif kind not in ("thinking", "redacted_thinking"):  # a reasoning model's notes are not replayed
+                texts.append(part_text(block, at, model, TEXT))
+        if texts or calls or not m.content:
+            message: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out

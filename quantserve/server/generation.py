@@ -1,0 +1,184 @@
+"""Running requests on the engine for every API: n choices per prompt, their outputs interleaved as they arrive,
+SSE framing, cancellation when the client goes away, and chats turned into reply events (text and tool calls)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from quantserve.chat import ChatPrompt, Event, Reply, ReplyAssembler, TextDelta
+from quantserve.engine.async_engine import RequestStream
+from quantserve.engine.sampling_params import SamplingParams
+from quantserve.engine.sequence import SequenceOutput, TokenLogprob
+from quantserve.errors import QuantserveError
+from quantserve.llm import LLM
+
+log = logging.getLogger("quantserve.server")
+
+
+def dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {dumps(obj)}\n\n".encode()
+
+
+def event_stream(chunks: AsyncIterator[bytes], on_error: Callable[[str], list[bytes]]) -> StreamingResponse:
+    """An SSE response. Once a stream has started its status is sent; an engine failure then becomes the API's
+    own error event (`on_error(message)`), instead of a connection cut without explanation."""
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - reported to the client, and logged
+            log.exception("generation failed mid-stream")
+            message = exc.message if isinstance(exc, QuantserveError) else f"{type(exc).__name__}: {exc}"
+            for chunk in on_error(f"generation failed: {message}"):
+                yield chunk
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@dataclass
+class Choice:
+    """Accumulates one choice's outputs."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    finish_reason: str | None = None
+    stop: str | None = None  # the stop string that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    assembler: ReplyAssembler | None = None  # chats with tools: text -> content and tool calls
+    reply: Reply | None = None  # chats: what the reply is, once finished
+
+    def take(self, out: SequenceOutput) -> list[Event]:
+        """Record one output; for a chat, return the reply events it makes."""
+        self.text += out.text
+        self.num_output_tokens = out.num_output_tokens
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if self.assembler is not None:
+            events = self.assembler.feed(out.text)
+        else:
+            events = [TextDelta(out.text)] if out.text else []
+        if out.finish_reason:
+            self.finish_reason, self.stop = out.finish_reason, out.stop
+            if self.assembler is not None:
+                more, self.reply = self.assembler.finish(out.finish_reason)
+                events += more
+            else:
+                self.reply = Reply(self.text, (), out.finish_reason)
+        return events
+
+
+async def merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:
+    """Interleave several choices' outputs as they arrive. However this ends (done, error, the client gone), every
+    choice still running is aborted."""
+    try:
+        if len(gens) == 1:
+            async for out in gens[0]:
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen: RequestStream) -> None:
+            try:
+                async for out in gen:
+                    await q.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+                await q.put((i, exc))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await q.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+    finally:
+        for g in gens:
+            g.close()
+
+
+def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str):
+    """Submit n choices per prompt. Seeds differ per choice (seed + i) so choices are not identical."""
+    gens, choices = [], []
+    try:
+        for p_idx, tokens in enumerate(prompts):
+            for j in range(n):
+                params = base
+                if n > 1 and base.seed is not None:
+                    params = SamplingParams(**{**base.__dict__, "seed": base.seed + j})
+                gens.append(llm.generate(tokens, params, f"{rid}-{p_idx}-{j}"))
+                choices.append(Choice(index=len(choices), prompt_index=p_idx, num_prompt_tokens=len(tokens)))
+    except BaseException:
+        for g in gens:
+            g.close()  # a later choice was refused (queue full): abort the ones already queued
+        raise
+    return gens, choices
+
+
+def start_chat(llm: LLM, prompt: ChatPrompt, tokens: list[int], params: SamplingParams, n: int, rid: str):
+    """Like start, for one chat: each choice gets its own reply parser when the reply may hold tool calls."""
+    gens, choices = start(llm, [tokens], params, n, rid)
+    for c in choices:
+        c.assembler = prompt.assembler()
+    return gens, choices
+
+
+async def collect(gens: list[RequestStream], choices: list[Choice], on_first: Callable[[], None]) -> None:
+    """Run every choice to its end (non-streaming responses)."""
+    first = True
+    async for i, out in merge(gens):
+        if first:
+            on_first()
+            first = False
+        choices[i].take(out)
+
+
+async def until_disconnect(request: Request, coro) -> bool:
+    """Run a non-streaming generation, cancelling it (and so aborting its sequences) if the client goes away.
+    Returns whether it ran to its end (False: the client left)."""
+    task = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        return False
+    task.result()  # an engine failure is raised here
+    return True
+
+
+def usage(choices: list[Choice], prompts: list[list[int]]) -> dict:
+    prompt = sum(len(p) for p in prompts)
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,247 @@
+"""/v1/responses: the Responses API translated onto the chat path (llama-server does the same), streamed with the
+event sequence the official client consumes, and kept in a bounded store for previous_response_id."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
+from quantserve.server.errors import error_body
+from quantserve.server.generation import (
+    Choice,
+    collect,
+    event_stream,
+    merge,
+    sse,
+    start_chat,
+    until_disconnect,
+)
+from quantserve.server.response_store import ResponseStore, StoredResponse
+from quantserve.server.responses_protocol import (
+    ResponsesRequest,
+    call_item,
+    echo_choice,
+    echo_tools,
+    input_messages,
+    message_item,
+    messages_of,
+    output_items,
+    response_tools,
+    tool_choice,
+)
+from quantserve.server.state import ServerState
+
+router = APIRouter()
+
+
+def _usage(c: Choice) -> dict[str, Any]:
+    return {
+        "input_tokens": c.num_prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": c.num_output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": c.num_prompt_tokens + c.num_output_tokens,
+    }
+
+
+def _finished(base: dict[str, Any], c: Choice, output: list[dict[str, Any]]) -> dict[str, Any]:
+    assert c.reply is not None
+    cut = c.reply.finish_reason == "length"
+    return {
+        **base,
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "output": output,
+        "usage": _usage(c),
+    }
+
+
+class _Events:
+    """The Responses stream: output items opened and closed around text and tool-call deltas, numbered events."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # finished output items
+        self.open: dict[str, Any] | None = None  # the item being written
+
+    def ev(self, kind: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, event=kind)
+
+    def take(self, event: TextDelta | CallDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if isinstance(event, TextDelta):
+            if self.open is None or self.open["type"] != "message":
+                out += self.close()
+                self.open = message_item("", status="in_progress")
+                out.append(
+                    self.ev("response.output_item.added", output_index=len(self.items), item=self.open)
+                )
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                out.append(self._part("response.content_part.added", part))
+                self.open["content"] = [part]
+            self.open["content"][0]["text"] += event.text
+            out.append(self._part("response.output_text.delta", None, delta=event.text, logprobs=[]))
+        elif event.name is not None:  # a new call
+            out += self.close()
+            self.open = call_item(event.id or "", event.name, event.arguments, status="in_progress")
+            out.append(
+                self.ev("response.output_item.added", output_index=len(self.items), item={**self.open})
+            )
+        else:
+            assert self.open is not None and self.open["type"] == "function_call"
+            self.open["arguments"] += event.arguments
+            out.append(
+                self.ev(
+                    "response.function_call_arguments.delta",
+                    item_id=self.open["id"],
+                    output_index=len(self.items),
+                    delta=event.arguments,
+                )
+            )
+        return out
+
+    def _part(self, kind: str, part: dict | None, **fields: Any) -> bytes:
+        assert self.open is not None
+        where = {"item_id": self.open["id"], "output_index": len(self.items), "content_index": 0}
+        return self.ev(kind, **where, **({"part": part} if part is not None else {}), **fields)
+
+    def close(self) -> list[bytes]:
+        item, out = self.open, []
+        if item is None:
+            return out
+        index = len(self.items)
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self._part("response.output_text.done", None, text=part["text"], logprobs=[]))
+            out.append(self._part("response.content_part.done", part))
+        else:
+            out.append(
+                self.ev(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        out.append(self.ev("response.output_item.done", output_index=index, item=item))
+        self.items.append(item)
+        self.open = None
+        return out
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    state: ServerState = request.app.state.qs
+    store: ResponseStore = request.app.state.responses
+    llm = state.require_model(body.model)
+    t0 = time.perf_counter()
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id:
+        history = list(store.get(body.previous_response_id, param="previous_response_id").messages)
+    messages = [*history, *input_messages(body.input, llm.name)]
+    tools = response_tools(body.tools)
+    choice = tool_choice(body.tool_choice, tools)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    req = ChatRequest(
+        messages=system + messages,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_schema=body.response_schema(),
+    )
+    prompt, tokens = llm.prepare_chat(req)
+    params = llm.sampling_params(
+        max_tokens=llm.check_context(len(tokens), body.max_output_tokens),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        grammar=prompt.grammar,
+        skip_special_tokens=prompt.skip_special_tokens,
+    )
+    rid = f"resp_{uuid.uuid4().hex}"
+    gens, choices = start_chat(llm, prompt, tokens, params, 1, rid)
+    c = choices[0]
+    base = {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": llm.name,
+        "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
+        if body.text and body.text.format
+        else {"format": {"type": "text"}},
+        "tool_choice": echo_choice(choice),
+        "tools": echo_tools(tools),
+        "truncation": "disabled",
+        "usage": None,
+        "metadata": body.metadata or {},
+        "user": body.user,
+    }
+
+    def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
+        state.record(choices, [tokens], t0)
+        if body.store:
+            store.put(rid, StoredResponse(response, tuple(messages + messages_of(output))))
+
+    if body.stream:
+
+        async def stream():
+            events = _Events()
+            yield events.ev("response.created", response=base)
+            yield events.ev("response.in_progress", response=base)
+            first = True
+            async for _, out in merge(gens):
+                if first:
+                    state.observe_ttft(t0)
+                    first = False
+                for event in c.take(out):
+                    for chunk in events.take(event):
+                        yield chunk
+            for chunk in events.close():
+                yield chunk
+            done = _finished(base, c, events.items)
+            keep(done, events.items)
+            kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+            yield events.ev(kind, response=done)
+
+        def failed(message: str) -> list[bytes]:
+            err = error_body(message, "server_error")["error"]
+            return [sse({"type": "error", "sequence_number": 0, **err}, event="error")]
+
+        return event_stream(stream(), failed)
+
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
+        return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
+    reply: Reply = c.reply  # type: ignore[assignment]
+    output = output_items(reply)
+    done = _finished(base, c, output)
+    keep(done, output)
+    return done
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    return request.app.state.responses.get(response_id).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    request.app.state.responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
