@@ -124,6 +124,7 @@ def create_app(
                 "format": info.format,
                 "backend": info.backend,
                 "has_chat_template": llm_.chat_template is not None,
+                "tool_format": llm_.tool_format,  # how its template writes tool calls (hermes, llama3, …)
             },
         }
 
