@@ -136,6 +136,27 @@ def test_anthropic_route_errors_keep_anthropic_shape(client):
     anthropic_error(r, 400, "invalid_request_error")
 
 
+def test_a_call_cut_off_by_max_tokens_comes_back_as_text(client):
+    body = {"messages": PARIS, "tools": [TOOL], "tool_choice": "required", "max_tokens": 5, "temperature": 0}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    assert choice["message"]["content"].startswith('{"tool_call')  # the generic format's JSON, as written
+    assert r.json()["usage"]["completion_tokens"] == 5
+
+
+def test_developer_messages_are_system_messages_for_templates_without_that_role(client):
+    counts = [
+        client.post("/v1/messages/count_tokens", json={"messages": [PARIS[1]], "system": "Be brief."}).json(),
+        client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "developer", "content": "Be brief."}, PARIS[1]], "max_tokens": 1},
+        ).json()["usage"],
+    ]
+    assert counts[0]["input_tokens"] == counts[1]["prompt_tokens"]
+
+
 def test_after_all_that_the_server_still_answers(client):
     r = client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

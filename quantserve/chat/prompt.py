@@ -73,11 +73,14 @@ def build_prompt(template: ChatTemplate, req: ChatRequest, special: dict[str, in
         ChatTemplateError: the template rejects the messages.
         InvalidRequestError: a schema the grammar engine cannot take.
     """
-    history_has_tools = any(m.get("tool_calls") or m.get("role") == "tool" for m in req.messages)
+    messages = req.messages
+    if "developer" not in template.source:  # OpenAI's newer name for the system role (llama.cpp maps it too)
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    history_has_tools = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     fmt = tool_format(template) if req.calls_tools or history_has_tools else None
-    messages, extra = req.messages, {}
+    extra: dict[str, Any] = {}
     if fmt is not None:
-        messages, extra = fmt.prepare(req.messages, req.tools, req.tool_choice, req.parallel_tool_calls)
+        messages, extra = fmt.prepare(messages, req.tools, req.tool_choice, req.parallel_tool_calls)
     text = template.render(messages, add_generation_prompt=True, **{**req.template_kwargs, **extra})
     grammar = None
     if req.calls_tools:
