@@ -74,34 +74,45 @@ def tool_call_schema() -> dict:
     return _calls_schema(parse_openai_tools([TOOL]), parallel=False)
 
 
-def cases(tag: str, native: bool = False) -> dict[str, dict]:
-    """The constrained requests; `tag` keeps prompts distinct between pairs (no whole-prompt cache hits).
+def generic_messages(messages: list[dict]) -> list[dict]:
+    """`messages` as quantserve renders them with TOOL in the generic format (the tools described in the system
+    turn): a request with these messages and no tools has the very prompt of the tool-call request."""
+    from quantserve.chat import ChatTemplate, ToolChoice, tool_format
+    from quantserve.chat.tools import parse_openai_tools
+    from quantserve.formats import read_gguf_info
+
+    gguf = resolve("smollm2", load_registry(find_models_toml(None))).path
+    fmt = tool_format(ChatTemplate(read_gguf_info(gguf).chat_template))
+    return fmt.prepare(messages, parse_openai_tools([TOOL]), ToolChoice("required"), False)[0]
+
+
+def cases(tag: str, native: bool = False) -> dict[str, tuple[dict, list[dict]]]:
+    """(constrained request, the messages of its unconstrained twin): `tag` keeps prompts distinct between pairs
+    (no whole-prompt cache hits). The tool-call request's twin carries the tool instructions quantserve puts in the
+    system turn, so that both decode after the same prompt.
 
     llama-server does not enforce tool_choice "required" for a template that knows no tools (it answers SmolLM2
-    in prose), so it gets the same grammar as a json_schema response_format instead: `native`."""
+    in prose), so it gets the same grammar as a json_schema response_format, after the same prompt: `native`."""
     facts = [SYSTEM, {"role": "user", "content": f"[{tag}] Tell me about Paris: its country and six facts."}]
     event = [
         SYSTEM,
         {"role": "user", "content": f"[{tag}] Plan a team dinner in Paris next Friday for three people."},
     ]
-    call = {"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
+    prompted = generic_messages(event)
+    call = {"messages": event, "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False}
     if native:
-        call = {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "c", "schema": tool_call_schema()},
-            }
-        }
+        schema = {"name": "c", "schema": tool_call_schema()}
+        call = {"messages": prompted, "response_format": {"type": "json_schema", "json_schema": schema}}
     json_schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
     return {
-        "json_schema": {"messages": facts, "max_tokens": 300, "response_format": json_schema},
-        "tool_call": {"messages": event, "max_tokens": 300, **call},
+        "json_schema": ({"messages": facts, "max_tokens": 300, "response_format": json_schema}, facts),
+        "tool_call": ({**call, "max_tokens": 300}, prompted),
     }
 
 
-def unconstrained(body: dict, n_tokens: int) -> dict:
-    """The same prompt without constraints, for exactly n_tokens."""
-    return {"messages": body["messages"], "max_tokens": n_tokens, "ignore_eos": True}
+def unconstrained(messages: list[dict], n_tokens: int) -> dict:
+    """The twin: a prompt without constraints, for exactly n_tokens."""
+    return {"messages": messages, "max_tokens": n_tokens, "ignore_eos": True}
 
 
 def one_request(base_url: str, body: dict) -> tuple[float, int]:
@@ -184,9 +195,9 @@ def mask_cost(threads: int) -> dict[str, dict[str, float]]:
 
     guide.Guide.mask, guide.Guide.accept = timed(mask), timed(accept)
     requests = {
-        "json_schema": ChatRequest(cases("m")["json_schema"]["messages"], response_schema=SCHEMA),
+        "json_schema": ChatRequest(cases("m")["json_schema"][0]["messages"], response_schema=SCHEMA),
         "tool_call": ChatRequest(
-            cases("m")["tool_call"]["messages"], parse_openai_tools([TOOL]), ToolChoice("required"), False
+            cases("m")["tool_call"][0]["messages"], parse_openai_tools([TOOL]), ToolChoice("required"), False
         ),
     }
 
@@ -243,9 +254,9 @@ def main() -> None:
                     url, cases("warmup")["json_schema"]
                 )  # the first grammar builds the vocabulary once
                 for k in range(args.pairs):
-                    for name, body in cases(f"r{rnd}.{k}", native=sd.name == "llama-server").items():
+                    for name, (body, twin) in cases(f"r{rnd}.{k}", native=sd.name == "llama-server").items():
                         spt_c, n = one_request(url, body)
-                        spt_u, _ = one_request(url, unconstrained(body, n))
+                        spt_u, _ = one_request(url, unconstrained(twin, n))
                         pairs[sd.name].setdefault(name, []).append((spt_c, spt_u, n))
                         print(
                             f"round {rnd} {sd.name:19s} {name:11s} {1000 * spt_c:6.2f} vs {1000 * spt_u:6.2f} "
@@ -285,8 +296,9 @@ def write(args, defs, pairs, native, in_process) -> None:
         + "; ".join(f"`{' '.join(Path(c).name if '/' in c else c for c in d.cmd)}`" for d in defs),
         "",
         "llama-server does not enforce `tool_choice: required` for SmolLM2's template (it answers in prose), so its "
-        "tool_call case is the same JSON grammar sent as a json_schema response_format: the generic format's "
-        "schema for one call of the tool.",
+        "tool_call case is the same JSON grammar sent as a json_schema response_format (the generic format's "
+        "schema for one call of the tool), after the same prompt (the tool described in the system turn, as "
+        "quantserve renders it). Every unconstrained twin has its constrained request's prompt.",
         "",
         "| server | json_schema: constrained / unconstrained ms per token | ratio | tool_call (required) | ratio |",
         "|---|---|---|---|---|",

@@ -8,9 +8,11 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
+from quantserve.chat.formats import ToolFormat
 from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.detokenizer import IncrementalDetokenizer
 from quantserve.engine.llm_engine import LLMEngine
@@ -78,16 +80,30 @@ class LLM:
         )
         self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()
+        # The grammar engine's view of the vocabulary takes about 0.1 s per 50k tokens to build: it is built on a
+        # thread of its own from the start, so that neither the load nor the first constrained request waits.
         self._guides: GuideCompiler | None = None
-        self._guides_lock = threading.Lock()
+        self._guides_error: BaseException | None = None
+        self._guides_thread = threading.Thread(target=self._build_guides, name="quantserve-vocab", daemon=True)
+        self._guides_thread.start()
+
+    def _build_guides(self) -> None:
+        try:
+            self._guides = GuideCompiler(self.runner.vocabulary(), self.runner.n_vocab)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the first request that needs it
+            self._guides_error = exc
 
     @property
     def guides(self) -> GuideCompiler:
-        """The model's vocabulary in the grammar engine's form, built on first use (about 0.1 s for 49k tokens)."""
-        with self._guides_lock:
-            if self._guides is None:
-                self._guides = GuideCompiler(self.runner.vocabulary(), self.runner.n_vocab)
-            return self._guides
+        """The model's vocabulary in the grammar engine's form (see __init__)."""
+        self._guides_thread.join()
+        if self._guides is None:
+            raise RuntimeError(f"the grammar engine could not read the vocabulary: {self._guides_error}")
+        return self._guides
+
+    @cached_property
+    def _format(self) -> ToolFormat:
+        return tool_format(self._template())
 
     @classmethod
     def load(cls, model: ResolvedModel, settings: EngineSettings) -> LLM:
@@ -142,13 +158,14 @@ class LLM:
             InvalidRequestError: a response schema or tool schema the grammar engine cannot take.
         """
         special = self.guides.special if request.calls_tools else {}
-        prompt = build_prompt(self._template(), request, special)
+        fmt = self._format if request.needs_format else None
+        prompt = build_prompt(self._template(), fmt, request, special)
         return prompt, self.tokenize_prompt(prompt.text, chat=True)
 
     @property
     def tool_format(self) -> str | None:
         """The name of the tool-call format the model's template uses (None without a template)."""
-        return tool_format(self.chat_template).name if self.chat_template is not None else None
+        return self._format.name if self.chat_template is not None else None
 
     def tokenize_prompt(self, text: str, *, chat: bool) -> list[int]:
         add_special = self.runner.adds_bos()
@@ -232,6 +249,7 @@ class LLM:
             return await asyncio.to_thread(self.runner.embed, tokens)
 
     def close(self) -> None:
+        self._guides_thread.join()  # it reads the runner's vocabulary
         self.engine.stop()
         self.runner.close()
         if getattr(self, "_keep_alive", None) is not None:

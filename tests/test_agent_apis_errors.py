@@ -87,6 +87,8 @@ RESPONSES_CASES = [
     ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": 7}]}, "input[0].content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": True}]}, "input[0].output"),
 ]  # fmt: skip
 
 
@@ -118,6 +120,8 @@ ANTHROPIC_CASES = [
     ({"max_tokens": 4, "messages": [PARIS[1]], "tool_choice": {"type": "tool", "name": "f"}}, "no tools"),
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({"max_tokens": 4, "messages": [PARIS[1]], "temperature": 1.5}, "temperature"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                                     "content": 5}]}]}, "content[0].content"),
 ]  # fmt: skip
 
 
@@ -155,6 +159,18 @@ def test_developer_messages_are_system_messages_for_templates_without_that_role(
         ).json()["usage"],
     ]
     assert counts[0]["input_tokens"] == counts[1]["prompt_tokens"]
+
+
+def test_anthropic_prefill_is_continued(client):
+    """A final assistant message is a prefill: the reply continues it and does not repeat it."""
+    body = {
+        "max_tokens": 8,
+        "temperature": 0,
+        "system": "You are a helpful assistant.",
+        "messages": [PARIS[1], {"role": "assistant", "content": "The capital of France is"}],
+    }
+    text = client.post("/v1/messages", json=body).json()["content"][0]["text"]
+    assert "Paris" in text and not text.startswith("The capital")
 
 
 def test_after_all_that_the_server_still_answers(client):

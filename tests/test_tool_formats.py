@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,7 @@ def rendered_turn(tmpl: ChatTemplate, fmt: ToolFormat, calls: list[tuple[str, di
 
 
 def assemble(fmt: ToolFormat, pieces: list[str], finish: str = "stop", tools=TOOLS):
-    asm = ReplyAssembler(fmt.parser(), CallChecker(tools), parallel=True)
+    asm = ReplyAssembler(fmt.parser(frozenset(t.name for t in tools)), CallChecker(tools), parallel=True)
     events = [e for p in pieces for e in asm.feed(p)]
     more, reply = asm.finish(finish)
     return events + more, reply
@@ -159,6 +160,9 @@ def test_malformed_calls_come_back_as_text(name):
     for text, finish in [(cut, "length"), (unknown, "stop"), (against_schema, "stop")]:
         _, reply = assemble(fmt, [text], finish)
         assert reply.tool_calls == () and reply.content == text and reply.finish_reason == finish
+    # streamed, a call to a tool that does not exist is never announced
+    events, _ = assemble(fmt, list(unknown))
+    assert not any(isinstance(e, CallDelta) for e in events)
 
 
 def test_generic_format_prompt_describes_the_tools_and_rewrites_the_history():
@@ -185,7 +189,7 @@ def test_generic_format_prompt_describes_the_tools_and_rewrites_the_history():
         tools=TOOLS,
         tool_choice=ToolChoice("auto"),
     )
-    text = build_prompt(tmpl, req, {}).text
+    text = build_prompt(tmpl, tool_format(tmpl), req, {}).text
     assert text.count("<start_of_turn>user") == 2 and "Be brief." in text and '"name": "get_time"' in text
     assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}]}' in text
     assert '{"tool_response": {"name": "get_weather", "content": "-3 C"}}' in text
@@ -207,9 +211,8 @@ def test_mistral_ids_become_nine_characters_the_template_accepts():
         },
         {"role": "tool", "tool_call_id": "call_abcdefghijklmnop", "content": "sunny"},
     ]
-    text = build_prompt(
-        tmpl, ChatRequest(msgs, TOOLS, ToolChoice("auto")), {}
-    ).text  # the template raises if not
+    req = ChatRequest(msgs, TOOLS, ToolChoice("auto"))
+    text = build_prompt(tmpl, tool_format(tmpl), req, {}).text  # the template raises for other ids
     call_id, result_id = text.split('"id": "')[1][:9], text.split('"call_id": "')[1][:9]
     assert call_id == result_id and call_id.isalnum()
 
@@ -258,7 +261,7 @@ TRIGGERS = {"hermes": "<tool_call>", "llama3": "", "mistral": "[TOOL_CALLS]", "g
 def test_every_reply_the_grammar_allows_parses_into_valid_calls(name, special_markers):
     fmt = tool_format(template(name))
     compiler, vocab = byte_vocabulary(special_markers)
-    rng = random.Random(hash((name, special_markers)) & 0xFFFF)
+    rng = random.Random(zlib.crc32(f"{name}{special_markers}".encode()))
     parallel = fmt.name != "llama3"
     cases = [(ToolChoice("required"), TOOLS, []), (ToolChoice("required", "get_time"), (TIME,), [])]
     trigger = TRIGGERS[fmt.name]
@@ -274,3 +277,78 @@ def test_every_reply_the_grammar_allows_parses_into_valid_calls(name, special_ma
             assert all(c.name in {t.name for t in allowed_tools} for c in reply.tool_calls)
             if not parallel:
                 assert len(reply.tool_calls) == 1
+
+
+NESTED = Tool(
+    "book",
+    "Book a table (a Pydantic model: the nested one is a $ref into $defs).",
+    {
+        "$defs": {
+            "Guest": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": ["Ann", "Bo"]},
+                    "vegan": {"type": "boolean"},
+                },
+                "required": ["name", "vegan"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {
+            "guests": {"type": "array", "items": {"$ref": "#/$defs/Guest"}, "minItems": 1, "maxItems": 2}
+        },
+        "required": ["guests"],
+        "additionalProperties": False,
+    },
+)
+
+
+@pytest.mark.parametrize("name", PROBED)
+def test_tool_schemas_with_defs_and_refs_are_enforced(name):
+    """$refs resolve against the whole document, so each tool's $defs must move to the grammar's root."""
+    import jsonschema
+
+    fmt = tool_format(template(name))
+    compiler, vocab = byte_vocabulary(special_markers=False)
+    rng = random.Random(7)
+    grammar = fmt.grammar((NESTED, TIME), ToolChoice("required", None), False, None, compiler.special)
+    for _ in range(5):
+        text = walk(compiler, vocab, grammar, rng, [])
+        _, reply = assemble(fmt, [text], tools=(NESTED, TIME))
+        assert len(reply.tool_calls) == 1, text
+        call = reply.tool_calls[0]
+        jsonschema.validate(
+            json.loads(call.arguments), NESTED.parameters if call.name == "book" else TIME.parameters
+        )
+
+
+def test_a_named_function_gets_one_call_even_with_parallel_calls_allowed():
+    req = ChatRequest([{"role": "user", "content": "x"}], TOOLS, ToolChoice("required", "get_time"), True)
+    assert not req.parallel and req.callable_tools == (TIME,)
+
+
+def test_llama3_json_reply_with_a_name_that_is_no_tool_is_text():
+    """Under response_format, a JSON reply may have a "name" of its own: it is the reply, not a call."""
+    fmt = tool_format(template("meta-llama-Llama-3.1-8B-Instruct.jinja"))
+    text = '{"name": "Bob", "age": 7}'
+    events, reply = assemble(fmt, list(text))
+    assert reply.tool_calls == () and reply.content == text
+    assert "".join(e.text for e in events) == text
+
+
+def test_prefill_is_continued_and_held_to_the_grammar():
+    """Anthropic's prefill: the prompt ends inside the final assistant message, and a grammar starts past it."""
+    tmpl = template("Qwen-Qwen2.5-7B-Instruct.jinja")
+    msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "<tool_call>\n"}]
+    req = ChatRequest(msgs, TOOLS, ToolChoice("required"), False, continue_final=True)
+    compiler, vocab = byte_vocabulary(special_markers=False)
+    prompt = build_prompt(tmpl, tool_format(tmpl), req, compiler.special)
+    assert prompt.text.endswith("<|im_start|>assistant\n<tool_call>\n") and prompt.prefill == "<tool_call>\n"
+    guide = compiler.guide(prompt.grammar)  # the guide has read the prefill: a call's JSON comes next
+    for t in vocab.tokenize('{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'):
+        assert guide.accept(t), guide.error
+    asm = prompt.assembler()
+    events = asm.feed('{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
+    assert events[0] == CallDelta(0, id=events[0].id, name="get_time")
+    assert asm.finish("stop")[1].tool_calls[0].arguments == '{"tz": "UTC"}'

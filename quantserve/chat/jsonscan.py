@@ -96,7 +96,7 @@ class JsonScanner:
         span = self.spans.get(path)
         if span is None or span.end is None or span.kind != "string":
             return None
-        return json.loads(self.text[span.start : span.end], strict=False)
+        return no_lone_surrogates(json.loads(self.text[span.start : span.end], strict=False))
 
     def partial_string(self, path: Path) -> str | None:
         """The decodable part of the string at `path` so far (the whole string once complete); None if there is
@@ -105,13 +105,11 @@ class JsonScanner:
         if span is None or span.kind != "string":
             return None
         if span.end is not None:
-            return json.loads(self.text[span.start : span.end], strict=False)
+            return no_lone_surrogates(json.loads(self.text[span.start : span.end], strict=False))
         raw = self.text[span.start + 1 : self.pos]
         try:
-            return json.loads('"' + _complete_escapes(raw) + '"', strict=False)
-        except (
-            json.JSONDecodeError
-        ):  # a bad escape: the text is not JSON, and the caller finds out at the end
+            return no_lone_surrogates(json.loads('"' + _complete_escapes(raw) + '"', strict=False))
+        except json.JSONDecodeError:  # a bad escape: not JSON, and the parser finds out at the end
             return None
 
     # ---- the state machine ----------------------------------------------------------------------
@@ -214,6 +212,13 @@ class JsonScanner:
             self._fail(self._open_start)
             return
         self._close(self._open, end)
+
+
+def no_lone_surrogates(text: str) -> str:
+    """JSON may escape half a surrogate pair (\\ud83d alone), which no UTF-8 can carry: it becomes U+FFFD."""
+    if not any("\ud800" <= c <= "\udfff" for c in text):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _complete_escapes(raw: str) -> str:

@@ -7,14 +7,15 @@ behave the same whichever API a client speaks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.chat.formats import ToolFormat, detect
 from quantserve.chat.reply import ReplyAssembler
 from quantserve.chat.template import ChatTemplate
 from quantserve.chat.tools import CallChecker, Tool, ToolChoice
-from quantserve.structured import Grammar, json_schema_grammar
+from quantserve.errors import ChatTemplateError
+from quantserve.structured import Grammar, check, json_schema_grammar
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,28 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     response_schema: dict[str, Any] | None = None  # response_format: the reply is JSON of this schema
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the last message is the assistant's, and the reply continues it (Anthropic's prefill)
+    continue_final: bool = False
 
     @property
     def calls_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice.mode != "none"
+
+    @property
+    def parallel(self) -> bool:
+        """Several calls in one reply: as asked, but one for a named function (as OpenAI answers it)."""
+        return self.parallel_tool_calls and self.tool_choice.name is None
+
+    @property
+    def callable_tools(self) -> tuple[Tool, ...]:
+        """The tools a reply may call: the named one only, for a named choice."""
+        name = self.tool_choice.name
+        return tuple(t for t in self.tools if name is None or t.name == name) if self.calls_tools else ()
+
+    @property
+    def needs_format(self) -> bool:
+        """Whether the template's tool-call format is needed: to call tools, or to render earlier calls."""
+        return self.calls_tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in self.messages)
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,7 @@ class ChatPrompt:
     grammar: Grammar | None
     format: ToolFormat | None  # set when the reply may hold tool calls
     request: ChatRequest
+    prefill: str = ""  # the text the reply continues (continue_final): the parser reads it first, silently
 
     @property
     def skip_special_tokens(self) -> bool:
@@ -55,39 +75,62 @@ class ChatPrompt:
         if self.format is None:
             return None
         req = self.request
-        return ReplyAssembler(self.format.parser(), CallChecker(req.tools), req.parallel_tool_calls)
+        names = frozenset(t.name for t in req.callable_tools)
+        asm = ReplyAssembler(self.format.parser(names), CallChecker(req.tools), req.parallel)
+        asm.feed(self.prefill)  # what the client wrote itself is not sent back
+        return asm
 
 
 def tool_format(template: ChatTemplate) -> ToolFormat:
-    """The template's tool-call format, found once per template."""
-    fmt = template.__dict__.get("_tool_format")
-    if fmt is None:
-        fmt = template.__dict__["_tool_format"] = detect(template.probe)
-    return fmt
+    """The template's tool-call format (probe renders: cache it)."""
+    return detect(template.probe)
 
 
-def build_prompt(template: ChatTemplate, req: ChatRequest, special: dict[str, int]) -> ChatPrompt:
-    """Render `req` and choose its grammar. `special` maps the vocabulary's control-token texts to their ids.
+def build_prompt(
+    template: ChatTemplate, fmt: ToolFormat | None, req: ChatRequest, special: dict[str, int]
+) -> ChatPrompt:
+    """Render `req` and choose its grammar. `fmt` is the template's tool-call format (needed when
+    req.needs_format); `special` maps the vocabulary's control-token texts to their ids.
 
     Raises:
-        ChatTemplateError: the template rejects the messages.
+        ChatTemplateError: the template rejects the messages, or rewrites a final message it should continue.
         InvalidRequestError: a schema the grammar engine cannot take.
     """
     messages = req.messages
     if "developer" not in template.source:  # OpenAI's newer name for the system role (llama.cpp maps it too)
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-    history_has_tools = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
-    fmt = tool_format(template) if req.calls_tools or history_has_tools else None
     extra: dict[str, Any] = {}
-    if fmt is not None:
-        messages, extra = fmt.prepare(messages, req.tools, req.tool_choice, req.parallel_tool_calls)
-    text = template.render(messages, add_generation_prompt=True, **{**req.template_kwargs, **extra})
+    if req.needs_format:
+        assert fmt is not None
+        messages, extra = fmt.prepare(messages, req.tools, req.tool_choice, req.parallel)
+    variables = {**req.template_kwargs, **extra}
+    prefill = ""
+    if req.continue_final:
+        text, prefill = _continued(template, messages, variables)
+    else:
+        text = template.render(messages, add_generation_prompt=True, **variables)
     grammar = None
+    if req.response_schema is not None:
+        grammar = check(json_schema_grammar(req.response_schema, param="response_format"))
     if req.calls_tools:
         assert fmt is not None
         choice = req.tool_choice
-        allowed = tuple(t for t in req.tools if choice.name is None or t.name == choice.name)
-        grammar = fmt.grammar(allowed, choice, req.parallel_tool_calls, req.response_schema, special)
-    elif req.response_schema is not None:
-        grammar = json_schema_grammar(req.response_schema, param="response_format")
-    return ChatPrompt(text, grammar, fmt if req.calls_tools else None, req)
+        grammar = fmt.grammar(req.callable_tools, choice, req.parallel, req.response_schema, special)
+    if grammar is not None and prefill:
+        grammar = replace(grammar, prefix=prefill)
+    return ChatPrompt(text, grammar, fmt if req.calls_tools else None, req, prefill)
+
+
+def _continued(template: ChatTemplate, messages: list[dict[str, Any]], variables: dict) -> tuple[str, str]:
+    """The prompt that ends inside the last (assistant) message, as transformers' continue_final_message cuts it:
+    rendered without a generation prompt, and cut just after that message's text. Returns (prompt, the text)."""
+    final = messages[-1].get("content") or ""
+    text = template.render(messages, add_generation_prompt=False, **variables)
+    at = text.rfind(final) if final else -1
+    if at == -1:
+        raise ChatTemplateError(
+            "the chat template does not write the final assistant message as given, so the reply cannot continue "
+            "it; leave the assistant's prefill out",
+            param="messages",
+        )
+    return text[: at + len(final)], final

@@ -79,7 +79,8 @@ class Content:
 class CallStream:
     """One tool call written as a JSON object inside a scanned text: the name once it is complete, then the
     arguments' text as it grows. With `name` given (written outside the JSON), the JSON at `prefix` is the
-    arguments themselves."""
+    arguments themselves. A name that is not one of `tools` makes it `rejected`, and it says nothing: no client
+    is told of a call that is not one."""
 
     def __init__(
         self,
@@ -87,15 +88,18 @@ class CallStream:
         prefix: Path,
         index: int,
         call_id: str,
+        tools: frozenset[str],
         *,
         name: str | None = None,
         args_keys: tuple[str, ...] = ("arguments", "parameters"),
     ):
         self.scanner, self.prefix, self.index, self.id = scanner, prefix, index, call_id
+        self.tools = tools
         self.name = name
         self.args_root = name is not None
         self.args_keys = args_keys
         self.started = False
+        self.rejected = False
         self.arguments = ""
 
     def _args_span(self) -> Span | None:
@@ -114,11 +118,16 @@ class CallStream:
 
     def poll(self) -> list[Event]:
         events: list[Event] = []
+        if self.rejected:
+            return events
         if not self.started:
             if self.name is None:
                 self.name = self.scanner.string_value((*self.prefix, "name"))
                 if self.name is None:
                     return events
+            if self.name not in self.tools:
+                self.rejected = True
+                return events
             self.started = True
             events.append(CallDelta(self.index, id=self.id, name=self.name))
         span = self._args_span()
@@ -135,8 +144,9 @@ class ReplyParser(ABC):
     """Base of the per-format parsers: text in (feed, then finish), events out. After finish, `malformed` says
     the text did not follow the format (it is then returned as plain text) and `calls` holds every call begun."""
 
-    def __init__(self, new_id: Callable[[], str]):
+    def __init__(self, new_id: Callable[[], str], tools: frozenset[str]):
         self.new_id = new_id
+        self.tools = tools
         self.text = ""
         self.calls: list[CallStream] = []
         self.malformed = False
@@ -145,6 +155,12 @@ class ReplyParser(ABC):
     def feed(self, text: str) -> list[Event]:
         self.text += text
         return self._parse(final=False)
+
+    def _call(self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = "") -> CallStream:
+        """Begin the next call, found at `prefix` of `scanner`'s JSON."""
+        call = CallStream(scanner, prefix, len(self.calls), call_id or self.new_id(), self.tools, name=name)
+        self.calls.append(call)
+        return call
 
     def finish(self) -> list[Event]:
         return self._parse(final=True)
@@ -157,8 +173,8 @@ class ReplyParser(ABC):
 class JsonCallParser(ReplyParser):
     """Helpers for formats that write calls as JSON at some point of the text: one scanner at a time."""
 
-    def __init__(self, new_id: Callable[[], str]):
-        super().__init__(new_id)
+    def __init__(self, new_id: Callable[[], str], tools: frozenset[str]):
+        super().__init__(new_id, tools)
         self.scanner: JsonScanner | None = None
         self._scan_from = 0  # where in self.text the scanner's text starts
         self._fed = 0

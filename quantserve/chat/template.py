@@ -116,7 +116,6 @@ class TemplateProbe:
     """
 
     turn: str | None  # None when the template failed to render a tool call
-    knows_tools: bool  # a `tools` list shows in the prompt
     system_role: bool  # a system message shows in the prompt
     tool_role: bool  # a `tool` message's content shows in the prompt
 
@@ -148,12 +147,10 @@ class TemplateProbe:
         turn = None
         if head is not None and full is not None:
             turn = full[_turn_start(head, full) :]
-        plain = render([user], True) or ""
         system = render([{"role": "system", "content": "probe system"}, user], True) or ""
         tool = render([user, assistant, result], True) or ""
         return cls(
             turn=turn,
-            knows_tools=head is not None and "probe_tool" in head and "probe_tool" not in plain,
             system_role="probe system" in system,
             tool_role="probe result" in tool,
         )

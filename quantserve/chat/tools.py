@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from jsonschema import Draft202012Validator, SchemaError
 from jsonschema.exceptions import best_match
+from jsonschema.validators import validator_for
 
 from quantserve.errors import InvalidRequestError
 
@@ -77,22 +78,25 @@ def make_tool(name: Any, description: Any, parameters: Any, *, param: str, schem
         )
     if description is not None and not isinstance(description, str):
         raise InvalidRequestError(f"'{param}.description' must be a string", param=f"{param}.description")
+    where = schema_param or f"{param}.parameters"
     if parameters is None:
         parameters = dict(EMPTY_PARAMETERS)
-    where = schema_param or f"{param}.parameters"
     if not isinstance(parameters, dict):
         raise InvalidRequestError(f"'{where}' must be a JSON schema object", param=where)
     try:
-        Draft202012Validator.check_schema(parameters)
+        validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
     except SchemaError as exc:
         raise InvalidRequestError(
             f"'{where}' is not a valid JSON schema: {exc.message}", param=where
         ) from None
+    except RecursionError:
+        raise InvalidRequestError(f"'{where}' is nested too deeply", param=where) from None
     if parameters.get("type", "object") != "object":
         raise InvalidRequestError(
             f'\'{where}\' must describe an object ("type": "object"): tool arguments are named', param=where
         )
-    return Tool(name, description, parameters)
+    # `{}`, or a schema that leaves the type out, still means an object of arguments, and the grammar says so
+    return Tool(name, description, {"type": "object", **parameters})
 
 
 def check_unique(tools: list[Tool], param: str) -> tuple[Tool, ...]:
@@ -167,7 +171,9 @@ class CallChecker:
     tool's parameter schema."""
 
     def __init__(self, tools: tuple[Tool, ...]):
-        self._validators = {t.name: Draft202012Validator(t.parameters) for t in tools}
+        self._validators = {
+            t.name: validator_for(t.parameters, default=Draft202012Validator)(t.parameters) for t in tools
+        }
 
     def problem(self, call: ToolCall) -> str | None:
         """What is wrong with the call, or None."""

@@ -71,7 +71,8 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob) -> SequenceOutput | None:
         p = seq.params
-        if self.runner.is_eog(token) and not p.ignore_eos:
+        # ignore_eos does not hold against a grammar: once it is complete, the end is all it allows
+        if self.runner.is_eog(token) and (not p.ignore_eos or seq.guide is not None):
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), None)
         if seq.guide is not None and not seq.guide.accept(token):
             # The token came through the guide's own mask, so this is a bug, not bad input: end the sequence

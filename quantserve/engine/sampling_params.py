@@ -33,9 +33,8 @@ class SamplingParams:
     grammar: Grammar | None = None  # the output must match it (a token mask from llguidance, both backends)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    skip_special_tokens: bool = (
-        True  # control tokens print nothing (False: their text, for tool-call markers)
-    )
+    # control tokens print nothing (False: they print their text, so tool-call markers can be parsed)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         checks = [

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
+from quantserve.chat.jsonscan import no_lone_surrogates
 from quantserve.llm import LLM
 from quantserve.server.anthropic_protocol import (
     CountTokensRequest,
@@ -44,7 +45,9 @@ def _chat_request(body: MessagesRequest | CountTokensRequest, llm: LLM) -> ChatR
     if system:
         messages.insert(0, {"role": "system", "content": system})
     schema = body.response_schema() if isinstance(body, MessagesRequest) else None
-    return ChatRequest(messages, tools, choice, parallel, response_schema=schema)
+    # a final assistant message is a prefill: the reply continues it (Anthropic's API works that way)
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    return ChatRequest(messages, tools, choice, parallel, response_schema=schema, continue_final=prefill)
 
 
 def _stop(c: Choice) -> tuple[str, str | None]:
@@ -59,10 +62,16 @@ def _stop(c: Choice) -> tuple[str, str | None]:
 
 
 def _input(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return {}  # only a call cut off mid-stream has arguments that are not JSON
+    """A call's arguments (checked JSON) as the `input` object, strings made safe for UTF-8."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return no_lone_surrogates(value)
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        return [clean(v) for v in value] if isinstance(value, list) else value
+
+    return clean(json.loads(arguments))
 
 
 def _content(reply: Reply) -> list[dict[str, Any]]:

@@ -77,6 +77,7 @@ def chat_request(body: ChatCompletionRequest, llm: LLM) -> ChatRequest:
         parallel_tool_calls=body.parallel_tool_calls,
         response_schema=response_schema(body.response_format),
         template_kwargs=dict(body.chat_template_kwargs or {}),
+        continue_final=body.continue_final_message,
     )
 
 

@@ -80,6 +80,8 @@ def text_of(content: Any, where: str, model: str, text_types: frozenset[str] = f
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"'{where}' must be a string or a list of content parts", param=where)
     return "".join(part_text(part, f"{where}[{j}]", model, text_types) for j, part in enumerate(content))
 
 
@@ -155,6 +157,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # vLLM's: the reply continues the final (assistant) message
 
 
 class CompletionRequest(_Request):

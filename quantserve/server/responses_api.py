@@ -56,7 +56,7 @@ def _finished(base: dict[str, Any], c: Choice, output: list[dict[str, Any]]) -> 
         **base,
         "status": "incomplete" if cut else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "output": output,
+        "output": [{**item, "status": "incomplete"} for item in output] if cut else output,
         "usage": _usage(c),
     }
 
@@ -201,9 +201,9 @@ async def create_response(body: ResponsesRequest, request: Request):
             store.put(rid, StoredResponse(response, tuple(messages + messages_of(output))))
 
     if body.stream:
+        events = _Events()
 
         async def stream():
-            events = _Events()
             yield events.ev("response.created", response=base)
             yield events.ev("response.in_progress", response=base)
             first = True
@@ -223,7 +223,7 @@ async def create_response(body: ResponsesRequest, request: Request):
 
         def failed(message: str) -> list[bytes]:
             err = error_body(message, "server_error")["error"]
-            return [sse({"type": "error", "sequence_number": 0, **err}, event="error")]
+            return [events.ev("error", **err)]
 
         return event_stream(stream(), failed)
 

@@ -120,7 +120,7 @@ def input_messages(raw: str | list[Any], model: str) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {"name": _field(item, "name", where), "arguments": item.get("arguments") or "{}"},
             }
-            if out and out[-1]["role"] == "assistant" and "tool_call_id" not in out[-1]:
+            if out and out[-1]["role"] == "assistant":
                 out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})

@@ -1,7 +1,15 @@
 """Constrained decoding: grammars (JSON schemas, Lark) compiled by llguidance, and per-sequence token masks that
 both backends apply in their own sampling step."""
 
-from quantserve.structured.grammars import Grammar, json_rule, json_schema_grammar, lark_grammar, lark_literal
+from quantserve.structured.grammars import (
+    Grammar,
+    check,
+    embeddable,
+    json_rule,
+    json_schema_grammar,
+    lark_grammar,
+    lark_literal,
+)
 from quantserve.structured.guide import Guide, GuideCompiler, Vocabulary, apply_mask, fill_masks
 
 __all__ = [
@@ -10,6 +18,8 @@ __all__ = [
     "GuideCompiler",
     "Vocabulary",
     "apply_mask",
+    "check",
+    "embeddable",
     "fill_masks",
     "json_rule",
     "json_schema_grammar",

@@ -15,8 +15,11 @@ import llguidance
 
 from quantserve.errors import InvalidRequestError
 
-# llguidance's JSON compiler options (its "x-guidance" schema key)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's JSON compiler options (its "x-guidance" schema key). lenient: a keyword it cannot enforce (an
+# OpenAPI `format` such as int32) is left out of the grammar instead of failing the request; tool calls are
+# validated against the full schema afterwards anyway.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+_LIFTED = "x-quantserve-defs"  # definitions of an embedded schema, on their way to the root (see embeddable)
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,76 @@ class Grammar:
 
     source: str
     param: str
+    prefix: str = ""  # text already written (a prefill the reply continues): a Guide starts past it
+
+
+def check(grammar: Grammar) -> Grammar:
+    """`grammar` if llguidance can build it.
+
+    Raises:
+        InvalidRequestError: naming grammar.param, with llguidance's reason.
+    """
+    error = llguidance.LLMatcher.validate_grammar(grammar.source)
+    if error:
+        raise InvalidRequestError(f"'{grammar.param}' cannot be enforced: {error}", param=grammar.param)
+    return grammar
 
 
 def _with_options(schema: dict[str, Any]) -> dict[str, Any]:
+    schema = _hoist(schema)
     return {**schema, "x-guidance": {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}}
+
+
+def embeddable(schema: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """`schema` made fit to sit inside a larger one: a `$ref` resolves against the root of the whole document, so
+    its `$defs` (or `definitions`) are renamed `prefix + name`, its references rewritten to match, and the
+    definitions carried along to be moved to the root when the grammar is made. Pydantic and zod write nested
+    models this way, so every tool schema goes through here."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    if not defs:
+        return schema
+    renamed = {name: prefix + name for name in defs}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k != "$ref"}
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            for base in ("#/$defs/", "#/definitions/"):
+                head, _, rest = ref.removeprefix(base).partition("/")
+                name = head.replace("~1", "/").replace("~0", "~")
+                if ref.startswith(base) and name in renamed:
+                    new = renamed[name].replace("~", "~0").replace("/", "~1")
+                    ref = f"#/$defs/{new}" + (f"/{rest}" if rest else "")
+                    break
+            out["$ref"] = ref
+        return out
+
+    body = rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    body[_LIFTED] = {renamed[name]: rewrite(d) for name, d in defs.items()}
+    return body
+
+
+def _hoist(schema: dict[str, Any]) -> dict[str, Any]:
+    """The definitions `embeddable` carried into a schema, moved to its root's $defs."""
+    found: dict[str, Any] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        for name, d in (node.get(_LIFTED) or {}).items():
+            found[name] = walk(d)
+        return {k: walk(v) for k, v in node.items() if k != _LIFTED}
+
+    out = walk(schema)
+    if found:
+        out["$defs"] = {**(out.get("$defs") or {}), **found}
+    return out
 
 
 def json_schema_grammar(schema: dict[str, Any] | bool, *, param: str) -> Grammar:

@@ -81,6 +81,11 @@ class GuideCompiler:
             raise InvalidRequestError(
                 f"'{grammar.param}' cannot be enforced: {matcher.get_error()}", param=grammar.param
             )
+        if grammar.prefix and not matcher.consume_tokens(self.tokenizer.tokenize_str(grammar.prefix)):
+            raise InvalidRequestError(
+                f"the text the reply continues ({grammar.prefix[:40]!r}) does not fit '{grammar.param}'",
+                param="messages",
+            )
         return Guide(matcher, self.mask_words, self.n_vocab)
 
 

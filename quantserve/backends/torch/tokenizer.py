@@ -122,9 +122,8 @@ class HFTokenizer:
     add_bos: bool  # tokenize(add_special=True) starts with BOS
     add_eos: bool
     chat_template: str | None
-    control: frozenset[int] = (
-        frozenset()
-    )  # control tokens: they print nothing, and text never tokenizes to them
+    # control tokens: they print nothing, and text never tokenizes to them
+    control: frozenset[int] = frozenset()
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from quantserve.chat.reply import ReplyParser
 from quantserve.chat.template import PROBE_CALL, TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice, new_call_id
-from quantserve.structured import Grammar
+from quantserve.structured import Grammar, embeddable
 
 _REGISTRY: list[type[ToolFormat]] = []
 _loaded = False
@@ -44,9 +44,7 @@ def detect(probe: TemplateProbe) -> ToolFormat:
         fmt = cls.from_probe(probe)
         if fmt is not None:
             return fmt
-    raise AssertionError(
-        "the generic format accepts every template"
-    )  # it is registered last, and never refuses
+    raise AssertionError("unreachable: the generic format, registered last, takes every template")
 
 
 class ToolFormat(ABC):
@@ -65,7 +63,7 @@ class ToolFormat(ABC):
         if probe.turn is None:
             return None
         fmt = cls(probe)
-        parser = fmt.parser()
+        parser = fmt.parser(frozenset({PROBE_CALL["name"]}))
         parser.feed(probe.turn)
         parser.finish()
         calls = [c for c in parser.calls if c.complete]
@@ -107,8 +105,8 @@ class ToolFormat(ABC):
         control-token texts to ids, for markers that are single tokens."""
 
     @abstractmethod
-    def parser(self) -> ReplyParser:
-        """A fresh parser for one reply."""
+    def parser(self, tools: frozenset[str]) -> ReplyParser:
+        """A fresh parser for one reply; a call is only a call if it names one of `tools`."""
 
     def new_id(self) -> str:
         return new_call_id()
@@ -141,9 +139,10 @@ def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
 def call_schema(tool: Tool, args_key: str = "arguments", **extra: dict[str, Any]) -> dict[str, Any]:
     """The JSON of one call: {"name": <this tool>, args_key: <its parameters>} and any `extra` properties
     (optional), in that order."""
+    params = embeddable(tool.parameters, f"{tool.name}.")
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, args_key: tool.parameters, **extra},
+        "properties": {"name": {"const": tool.name}, args_key: params, **extra},
         "required": ["name", args_key],
         "additionalProperties": False,
     }

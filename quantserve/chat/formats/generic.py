@@ -11,10 +11,10 @@ import json
 from typing import Any
 
 from quantserve.chat.formats import ToolFormat, call_schema, one_of, register
-from quantserve.chat.reply import CallStream, Event, JsonCallParser, TextDelta
+from quantserve.chat.reply import Event, JsonCallParser, TextDelta
 from quantserve.chat.template import TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice
-from quantserve.structured import Grammar, json_schema_grammar
+from quantserve.structured import Grammar, embeddable, json_schema_grammar
 
 
 def _calls_schema(tools: tuple[Tool, ...], parallel: bool) -> dict[str, Any]:
@@ -109,15 +109,15 @@ class Generic(ToolFormat):
         else:
             response = {
                 "type": "object",
-                "properties": {"response": schema if schema is not None else {"type": "string"}},
+                "properties": {"response": embeddable(schema, "response.") if schema else {"type": "string"}},
                 "required": ["response"],
                 "additionalProperties": False,
             }
             top = {"anyOf": [calls, response]}
         return json_schema_grammar(top, param="tools")
 
-    def parser(self) -> GenericParser:
-        return GenericParser(self.new_id)
+    def parser(self, tools: frozenset[str]) -> GenericParser:
+        return GenericParser(self.new_id, tools)
 
 
 def _call_json(call: dict[str, Any]) -> dict[str, Any]:
@@ -132,8 +132,8 @@ def _call_json(call: dict[str, Any]) -> dict[str, Any]:
 class GenericParser(JsonCallParser):
     """Streams the "response" string as text as it decodes, and each call as it is written."""
 
-    def __init__(self, new_id):
-        super().__init__(new_id)
+    def __init__(self, new_id, tools):
+        super().__init__(new_id, tools)
         self.state = "start"
         self._said = ""  # the decoded response sent so far
 
@@ -164,12 +164,12 @@ class GenericParser(JsonCallParser):
             self._said = sc.text[response.start : response.end]
             out.append(TextDelta(self._said))
         if ("tool_call",) in sc.spans and not self.calls:
-            self.calls.append(CallStream(sc, ("tool_call",), 0, self.new_id()))
+            self._call(sc, ("tool_call",))
         while ("tool_calls", len(self.calls)) in sc.spans:
-            self.calls.append(CallStream(sc, ("tool_calls", len(self.calls)), len(self.calls), self.new_id()))
+            self._call(sc, ("tool_calls", len(self.calls)))
         for call in self.calls:
             out += call.poll()
-        if sc.error or (sc.done and response is None and not self.calls):
+        if sc.error or any(c.rejected for c in self.calls) or (sc.done and response is None and not self.calls):
             self.malformed = True
         elif final and not sc.done and (self.calls or response is None):
             self.malformed = True  # cut off (max_tokens); a cut-off response is still the words said so far

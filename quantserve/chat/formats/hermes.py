@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from quantserve.chat.formats import TEXT_RULE, ToolFormat, call_schema, one_of, register, trigger_rule
-from quantserve.chat.reply import CallStream, Event, JsonCallParser, holdback
+from quantserve.chat.reply import Event, JsonCallParser, holdback
 from quantserve.chat.tools import Tool, ToolChoice
 from quantserve.structured import Grammar, json_rule, lark_grammar, lark_literal
 
@@ -40,13 +40,13 @@ class Hermes(ToolFormat):
             lark = f"%llguidance {{}}\nstart: {tags}\ntag: trig {body}\n{trigger_rule(OPEN, special)}\n{TEXT_RULE}"
         return lark_grammar(lark, param="tools")
 
-    def parser(self) -> HermesParser:
-        return HermesParser(self.new_id)
+    def parser(self, tools: frozenset[str]) -> HermesParser:
+        return HermesParser(self.new_id, tools)
 
 
 class HermesParser(JsonCallParser):
-    def __init__(self, new_id):
-        super().__init__(new_id)
+    def __init__(self, new_id, tools):
+        super().__init__(new_id, tools)
         self.state = "text"
         self.cur = 0  # text before this index is parsed
 
@@ -63,13 +63,12 @@ class HermesParser(JsonCallParser):
                     return out
                 out += self.content.add(self.text[self.cur : at])
                 self.cur = at + len(OPEN)
-                self._scan(self.cur)
-                self.calls.append(CallStream(self.scanner, (), len(self.calls), self.new_id()))
+                self._call(self._scan(self.cur), ())
                 self.state = "call"
             if self.state == "call":
                 sc = self._advance(final)
                 out += self.calls[-1].poll()
-                if sc.error:
+                if sc.error or self.calls[-1].rejected:
                     self.malformed = True
                     self.state = "junk"
                     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from quantserve.chat.formats import ToolFormat, call_schema, one_of, register
-from quantserve.chat.reply import CallStream, Event, JsonCallParser
+from quantserve.chat.reply import Event, JsonCallParser
 from quantserve.chat.tools import Tool, ToolChoice
 from quantserve.structured import Grammar, json_rule, lark_grammar
 
@@ -36,46 +36,42 @@ class Llama3(ToolFormat):
             lark = f"start: call | TEXT\n{call}\nTEXT: /[^{{\\s](.|\\n)*/"
         return lark_grammar(lark, param="tools")
 
-    def parser(self) -> Llama3Parser:
-        return Llama3Parser(self.new_id)
+    def parser(self, tools: frozenset[str]) -> Llama3Parser:
+        return Llama3Parser(self.new_id, tools)
 
 
 class Llama3Parser(JsonCallParser):
-    """Until a JSON reply shows a "name", nothing is sent: a JSON object without one is text after all."""
+    """A reply is calls or text, decided at its start. Until a JSON reply shows the name of a tool nothing is sent:
+    a JSON object without one (a response_format reply, say) is text after all."""
 
-    def __init__(self, new_id):
-        super().__init__(new_id)
+    def __init__(self, new_id, tools):
+        super().__init__(new_id, tools)
         self.state = "start"
         self.cur = 0
 
     def _parse(self, final: bool) -> list[Event]:
         out: list[Event] = []
         while True:
-            if self.state in ("start", "next"):
+            if self.state in ("start", "next"):  # before a call: whitespace, ";" between calls, <|python_tag|>
                 rest = self.text[self.cur :].lstrip()
                 if self.state == "next" and rest.startswith(";"):
                     rest = rest[1:].lstrip()
                 if rest.startswith(PYTHON_TAG):
                     rest = rest[len(PYTHON_TAG) :].lstrip()
-                if not rest or (not final and PYTHON_TAG.startswith(rest)):
-                    if final:
-                        self.state = "text" if self.state == "start" else "done"
-                        continue
+                if not final and (not rest or PYTHON_TAG.startswith(rest)):
                     return out
                 self.cur = len(self.text) - len(rest)
-                if rest[0] != "{":
-                    self.state = "text"
+                if not rest.startswith("{"):
+                    self.state = "text"  # the reply is text, or what follows the calls is
                     continue
-                self._scan(self.cur)
-                self.calls.append(CallStream(self.scanner, (), len(self.calls), self.new_id()))
+                self._call(self._scan(self.cur), ())
                 self.state = "call"
             if self.state == "call":
                 sc = self._advance(final)
                 call = self.calls[-1]
                 out += call.poll()
-                if not call.started and (sc.error or sc.done or final):
-                    self.calls.pop()  # JSON, or something like it, but no call: the reply is text
-                    self.cur = 0 if not self.calls else self.cur
+                if not call.started and (call.rejected or sc.error or sc.done or final):
+                    self.calls.pop()  # JSON, or something like it, but not a call: from here on it is text
                     self.state = "text"
                     continue
                 if sc.error:
@@ -86,11 +82,7 @@ class Llama3Parser(JsonCallParser):
                 self.cur = self._scan_end()
                 self.state = "next"
                 continue
-            if self.state == "trailing":  # text after the calls (a template's end-of-turn marker): content
-                self.state = "text"
-                continue
-            if self.state == "text":
-                out += self.content.add(self.text[self.cur :])
-                self.cur = len(self.text)
-                return out
-            return out  # done
+            # text (a template's end-of-turn marker, in a rendered turn)
+            out += self.content.add(self.text[self.cur :])
+            self.cur = len(self.text)
+            return out

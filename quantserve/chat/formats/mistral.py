@@ -11,7 +11,7 @@ import string
 from typing import Any
 
 from quantserve.chat.formats import TEXT_RULE, ToolFormat, call_schema, one_of, register, trigger_rule
-from quantserve.chat.reply import CallStream, Event, JsonCallParser, holdback
+from quantserve.chat.reply import Event, JsonCallParser, holdback
 from quantserve.chat.template import TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice, new_call_id
 from quantserve.structured import Grammar, json_rule, lark_grammar, lark_literal
@@ -88,16 +88,16 @@ class Mistral(ToolFormat):
             )
         return lark_grammar(lark, param="tools")
 
-    def parser(self) -> MistralParser:
-        return MistralParser(self.new_id)
+    def parser(self, tools: frozenset[str]) -> MistralParser:
+        return MistralParser(self.new_id, tools)
 
     def new_id(self) -> str:
         return new_call_id(9, prefix="")
 
 
 class MistralParser(JsonCallParser):
-    def __init__(self, new_id):
-        super().__init__(new_id)
+    def __init__(self, new_id, tools):
+        super().__init__(new_id, tools)
         self.state = "text"
         self.cur = 0
         self.name = self.id = ""
@@ -130,10 +130,10 @@ class MistralParser(JsonCallParser):
             if self.state == "array":
                 sc = self._advance(final)
                 while (len(self.calls),) in sc.spans:
-                    self.calls.append(CallStream(sc, (len(self.calls),), len(self.calls), self.new_id()))
+                    self._call(sc, (len(self.calls),))
                 for call in self.calls:
                     out += call.poll()
-                if sc.error:
+                if sc.error or any(c.rejected for c in self.calls):
                     self.malformed = True
                     return out
                 if not sc.done:
@@ -156,14 +156,13 @@ class MistralParser(JsonCallParser):
                 self.cur = k + len(marker)
                 self.state = "id" if marker == CALL_ID else "args"
             if self.state == "args":
-                sc = self._scan(self.cur)
-                call_id = self.id if _ID.fullmatch(self.id) else self.new_id()
-                self.calls.append(CallStream(sc, (), len(self.calls), call_id, name=self.name))
+                call_id = self.id if _ID.fullmatch(self.id) else ""
+                self._call(self._scan(self.cur), (), name=self.name, call_id=call_id)
                 self.state = "argscan"
             if self.state == "argscan":
                 sc = self._advance(final)
                 out += self.calls[-1].poll()
-                if sc.error:
+                if sc.error or self.calls[-1].rejected:
                     self.malformed = True
                     return out
                 if not sc.done:
