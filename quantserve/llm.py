@@ -84,7 +84,9 @@ class LLM:
         # thread of its own from the start, so that neither the load nor the first constrained request waits.
         self._guides: GuideCompiler | None = None
         self._guides_error: BaseException | None = None
-        self._guides_thread = threading.Thread(target=self._build_guides, name="quantserve-vocab", daemon=True)
+        self._guides_thread = threading.Thread(
+            target=self._build_guides, name="quantserve-vocab", daemon=True
+        )
         self._guides_thread.start()
 
     def _build_guides(self) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from quantserve.chat import ChatRequest, ChatTemplate, Tool, ToolChoice, build_prompt, tool_format
-from quantserve.chat.formats import ToolFormat
+from quantserve.chat.formats import GrammarSpec, ToolFormat
 from quantserve.chat.reply import CallDelta, ReplyAssembler
 from quantserve.chat.template import _turn_start
 from quantserve.chat.tools import CallChecker
@@ -269,7 +269,7 @@ def test_every_reply_the_grammar_allows_parses_into_valid_calls(name, special_ma
         marker = [compiler.special[trigger]] if trigger in compiler.special else vocab.tokenize(trigger)
         cases.append((ToolChoice("auto"), TOOLS, vocab.tokenize("Let me look that up.") + marker))
     for choice, allowed_tools, prefix in cases:
-        grammar = fmt.grammar(allowed_tools, choice, parallel, None, compiler.special)
+        grammar = fmt.grammar(GrammarSpec(allowed_tools, choice, parallel, None, compiler.special))
         for _ in range(6):
             text = walk(compiler, vocab, grammar, rng, prefix)
             _, reply = assemble(fmt, [text])
@@ -312,7 +312,7 @@ def test_tool_schemas_with_defs_and_refs_are_enforced(name):
     fmt = tool_format(template(name))
     compiler, vocab = byte_vocabulary(special_markers=False)
     rng = random.Random(7)
-    grammar = fmt.grammar((NESTED, TIME), ToolChoice("required", None), False, None, compiler.special)
+    grammar = fmt.grammar(GrammarSpec((NESTED, TIME), ToolChoice("required"), False, None, compiler.special))
     for _ in range(5):
         text = walk(compiler, vocab, grammar, rng, [])
         _, reply = assemble(fmt, [text], tools=(NESTED, TIME))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from quantserve.chat.formats import ToolFormat, detect
+from quantserve.chat.formats import GrammarSpec, ToolFormat, detect
 from quantserve.chat.reply import ReplyAssembler
 from quantserve.chat.template import ChatTemplate
 from quantserve.chat.tools import CallChecker, Tool, ToolChoice
@@ -114,8 +114,8 @@ def build_prompt(
         grammar = check(json_schema_grammar(req.response_schema, param="response_format"))
     if req.calls_tools:
         assert fmt is not None
-        choice = req.tool_choice
-        grammar = fmt.grammar(req.callable_tools, choice, req.parallel, req.response_schema, special)
+        spec = GrammarSpec(req.callable_tools, req.tool_choice, req.parallel, req.response_schema, special)
+        grammar = fmt.grammar(spec)
     if grammar is not None and prefill:
         grammar = replace(grammar, prefix=prefill)
     return ChatPrompt(text, grammar, fmt if req.calls_tools else None, req, prefill)

@@ -148,6 +148,7 @@ class ReplyParser(ABC):
         self.new_id = new_id
         self.tools = tools
         self.text = ""
+        self.cur = 0  # the text before this index is read
         self.calls: list[CallStream] = []
         self.malformed = False
         self.content = Content()
@@ -156,7 +157,20 @@ class ReplyParser(ABC):
         self.text += text
         return self._parse(final=False)
 
-    def _call(self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = "") -> CallStream:
+    def _text_until(self, marker: str, final: bool) -> tuple[list[Event], bool]:
+        """The text from self.cur up to `marker`, as content; True once the marker is found (self.cur is then just
+        past it). Text that may be the marker's start is held back until more comes (or the reply ends)."""
+        at = self.text.find(marker, self.cur)
+        end = (
+            at if at != -1 else len(self.text) - (0 if final else holdback(self.text[self.cur :], (marker,)))
+        )
+        events = self.content.add(self.text[self.cur : end])
+        self.cur = end + len(marker) if at != -1 else end
+        return events, at != -1
+
+    def _call(
+        self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = ""
+    ) -> CallStream:
         """Begin the next call, found at `prefix` of `scanner`'s JSON."""
         call = CallStream(scanner, prefix, len(self.calls), call_id or self.new_id(), self.tools, name=name)
         self.calls.append(call)

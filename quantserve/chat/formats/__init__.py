@@ -12,12 +12,31 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from quantserve.chat.reply import ReplyParser
 from quantserve.chat.template import PROBE_CALL, TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice, new_call_id
-from quantserve.structured import Grammar, embeddable
+from quantserve.structured import Grammar, embeddable, json_rule, lark_grammar, lark_literal
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a reply may be: calls of `tools` (the named one only, for a named choice), several in one reply if
+    `parallel`, as `choice` asks; `schema` is response_format's JSON schema for a reply without calls; `special`
+    maps the vocabulary's control-token texts to ids, for markers that are single tokens."""
+
+    tools: tuple[Tool, ...]
+    choice: ToolChoice
+    parallel: bool
+    schema: dict[str, Any] | None
+    special: dict[str, int]
+
+    def literal(self, text: str) -> str:
+        """Lark for a marker: its control token if the vocabulary has one, else the text."""
+        return lark_literal(text, self.special)
+
 
 _REGISTRY: list[type[ToolFormat]] = []
 _loaded = False
@@ -92,17 +111,8 @@ class ToolFormat(ABC):
     # ---- constrained decoding and parsing ---------------------------------------------------------
 
     @abstractmethod
-    def grammar(
-        self,
-        tools: tuple[Tool, ...],
-        choice: ToolChoice,
-        parallel: bool,
-        schema: dict[str, Any] | None,
-        special: dict[str, int],
-    ) -> Grammar:
-        """What the reply may be. `tools` are those it may call (the named one only, for a named choice);
-        `schema` is response_format's JSON schema for a reply without calls; `special` maps the vocabulary's
-        control-token texts to ids, for markers that are single tokens."""
+    def grammar(self, spec: GrammarSpec) -> Grammar:
+        """What the reply may be (see GrammarSpec)."""
 
     @abstractmethod
     def parser(self, tools: frozenset[str]) -> ReplyParser:
@@ -155,11 +165,22 @@ def one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
 TEXT_RULE = "TEXT: /(.|\\n)*/"  # any text at all (control tokens never match text)
 
 
-def trigger_rule(marker: str, special: dict[str, int]) -> str:
+def trigger_rule(marker: str, spec: GrammarSpec) -> str:
     """A Lark rule `trig` for free text that ends with `marker`: a control token ends the text by itself; a marker
     written as text needs a lazy match (the text ends at the marker's first appearance)."""
-    from quantserve.structured import lark_literal
-
-    if marker in special:
-        return f"trig: TEXT {lark_literal(marker, special)}"
+    if marker in spec.special:
+        return f"trig: TEXT {spec.literal(marker)}"
     return f"trig[lazy]: TEXT {lark_literal(marker)}"
+
+
+def calls_grammar(spec: GrammarSpec, rules: str, free: str) -> Grammar:
+    """A family's grammar from its Lark `rules`, which define `calls` (a reply's calls): `required` is calls,
+    a response schema makes it calls or that JSON, and `auto` starts with `free` (its text, in which a call, once
+    opened, is held to the schemas; free may begin with a %llguidance line)."""
+    if spec.choice.mode == "required":
+        start = "start: calls"
+    elif spec.schema is not None:
+        start = f"start: calls | {json_rule(spec.schema)}"
+    else:
+        start = free
+    return lark_grammar(f"{start}\n{rules}", param="tools")

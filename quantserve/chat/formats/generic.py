@@ -10,7 +10,7 @@ import contextlib
 import json
 from typing import Any
 
-from quantserve.chat.formats import ToolFormat, call_schema, one_of, register
+from quantserve.chat.formats import GrammarSpec, ToolFormat, call_schema, one_of, register
 from quantserve.chat.reply import Event, JsonCallParser, TextDelta
 from quantserve.chat.template import TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice
@@ -95,26 +95,18 @@ class Generic(ToolFormat):
             del out[0]
         return out, {}
 
-    def grammar(
-        self,
-        tools: tuple[Tool, ...],
-        choice: ToolChoice,
-        parallel: bool,
-        schema: dict[str, Any] | None,
-        special: dict[str, int],
-    ) -> Grammar:
-        calls = _calls_schema(tools, parallel)
-        if choice.mode == "required":
-            top = calls
-        else:
-            response = {
-                "type": "object",
-                "properties": {"response": embeddable(schema, "response.") if schema else {"type": "string"}},
-                "required": ["response"],
-                "additionalProperties": False,
-            }
-            top = {"anyOf": [calls, response]}
-        return json_schema_grammar(top, param="tools")
+    def grammar(self, spec: GrammarSpec) -> Grammar:
+        calls = _calls_schema(spec.tools, spec.parallel)
+        if spec.choice.mode == "required":
+            return json_schema_grammar(calls, param="tools")
+        text = embeddable(spec.schema, "response.") if spec.schema else {"type": "string"}
+        response = {
+            "type": "object",
+            "properties": {"response": text},
+            "required": ["response"],
+            "additionalProperties": False,
+        }
+        return json_schema_grammar({"anyOf": [calls, response]}, param="tools")
 
     def parser(self, tools: frozenset[str]) -> GenericParser:
         return GenericParser(self.new_id, tools)
@@ -169,7 +161,11 @@ class GenericParser(JsonCallParser):
             self._call(sc, ("tool_calls", len(self.calls)))
         for call in self.calls:
             out += call.poll()
-        if sc.error or any(c.rejected for c in self.calls) or (sc.done and response is None and not self.calls):
+        if (
+            sc.error
+            or any(c.rejected for c in self.calls)
+            or (sc.done and response is None and not self.calls)
+        ):
             self.malformed = True
         elif final and not sc.done and (self.calls or response is None):
             self.malformed = True  # cut off (max_tokens); a cut-off response is still the words said so far

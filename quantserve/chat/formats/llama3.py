@@ -4,12 +4,9 @@ grammar asks for one."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from quantserve.chat.formats import ToolFormat, call_schema, one_of, register
+from quantserve.chat.formats import GrammarSpec, ToolFormat, call_schema, calls_grammar, one_of, register
 from quantserve.chat.reply import Event, JsonCallParser
-from quantserve.chat.tools import Tool, ToolChoice
-from quantserve.structured import Grammar, json_rule, lark_grammar
+from quantserve.structured import Grammar, json_rule
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -19,22 +16,11 @@ class Llama3(ToolFormat):
     name = "llama3"
     priority = 30
 
-    def grammar(
-        self,
-        tools: tuple[Tool, ...],
-        choice: ToolChoice,
-        parallel: bool,
-        schema: dict[str, Any] | None,
-        special: dict[str, int],
-    ) -> Grammar:
-        call = f"call: {json_rule(one_of([call_schema(t, 'parameters') for t in tools]))}"
-        if choice.mode == "required":
-            lark = f"start: call\n{call}"
-        elif schema is not None:
-            lark = f"start: call | {json_rule(schema)}\n{call}"
-        else:  # a reply that starts with "{" is a call; any other reply is free text (not starting with a space)
-            lark = f"start: call | TEXT\n{call}\nTEXT: /[^{{\\s](.|\\n)*/"
-        return lark_grammar(lark, param="tools")
+    def grammar(self, spec: GrammarSpec) -> Grammar:
+        call = json_rule(one_of([call_schema(t, "parameters") for t in spec.tools]))
+        # a reply that starts with "{" is a call; any other reply is free text (not starting with a space)
+        free = "start: calls | TEXT\nTEXT: /[^{\\s](.|\\n)*/"
+        return calls_grammar(spec, f"calls: {call}", free)
 
     def parser(self, tools: frozenset[str]) -> Llama3Parser:
         return Llama3Parser(self.new_id, tools)
@@ -47,12 +33,14 @@ class Llama3Parser(JsonCallParser):
     def __init__(self, new_id, tools):
         super().__init__(new_id, tools)
         self.state = "start"
-        self.cur = 0
 
     def _parse(self, final: bool) -> list[Event]:
         out: list[Event] = []
         while True:
-            if self.state in ("start", "next"):  # before a call: whitespace, ";" between calls, <|python_tag|>
+            if self.state in (
+                "start",
+                "next",
+            ):  # before a call: whitespace, ";" between calls, <|python_tag|>
                 rest = self.text[self.cur :].lstrip()
                 if self.state == "next" and rest.startswith(";"):
                     rest = rest[1:].lstrip()

@@ -8,13 +8,21 @@ from __future__ import annotations
 import hashlib
 import re
 import string
-from typing import Any
 
-from quantserve.chat.formats import TEXT_RULE, ToolFormat, call_schema, one_of, register, trigger_rule
-from quantserve.chat.reply import Event, JsonCallParser, holdback
+from quantserve.chat.formats import (
+    TEXT_RULE,
+    GrammarSpec,
+    ToolFormat,
+    call_schema,
+    calls_grammar,
+    one_of,
+    register,
+    trigger_rule,
+)
+from quantserve.chat.reply import Event, JsonCallParser
 from quantserve.chat.template import TemplateProbe
-from quantserve.chat.tools import Tool, ToolChoice, new_call_id
-from quantserve.structured import Grammar, json_rule, lark_grammar, lark_literal
+from quantserve.chat.tools import new_call_id
+from quantserve.structured import Grammar, json_rule, lark_literal
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _ID = re.compile(r"[A-Za-z0-9]{9}")
@@ -54,39 +62,24 @@ class Mistral(ToolFormat):
             fixed.append(m)
         return fixed, extra
 
-    def grammar(
-        self,
-        tools: tuple[Tool, ...],
-        choice: ToolChoice,
-        parallel: bool,
-        schema: dict[str, Any] | None,
-        special: dict[str, int],
-    ) -> Grammar:
-        tc = lark_literal(TOOL_CALLS, special)
+    def grammar(self, spec: GrammarSpec) -> Grammar:
+        tc = spec.literal(TOOL_CALLS)
         if self.json_array:
             ident = {"id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}}
-            call = f"call: {json_rule(one_of([call_schema(t, **ident) for t in tools]))}"
-            rest = 'rest: "[" call (", " call)* "]"' if parallel else 'rest: "[" call "]"'
-            rules = f"{call}\n{rest}\ncalls: {tc} rest"
+            call = json_rule(one_of([call_schema(t, **ident) for t in spec.tools]))
+            more = ' (", " call)*' if spec.parallel else ""
+            rules = f'call: {call}\nrest: "[" call{more} "]"\ncalls: {tc} rest'
+            follow = ""  # one [TOOL_CALLS] holds them all
         else:
-            ident = f" {lark_literal(CALL_ID, special)} /[a-zA-Z0-9]{{9}}/" if self.call_ids else ""
-            args = lark_literal(ARGS, special)
+            ident = f" {spec.literal(CALL_ID)} /[a-zA-Z0-9]{{9}}/" if self.call_ids else ""
+            args = spec.literal(ARGS)
             alts = " | ".join(
-                f"{lark_literal(t.name)}{ident} {args} {json_rule(t.parameters)}" for t in tools
+                f"{lark_literal(t.name)}{ident} {args} {json_rule(t.parameters)}" for t in spec.tools
             )
-            more = f" ({tc} rest)*" if parallel else ""
-            rules = f"rest: {alts}\ncalls: {tc} rest{more}"
-        if choice.mode == "required":
-            lark = f"start: calls\n{rules}"
-        elif schema is not None:
-            lark = f"start: calls | {json_rule(schema)}\n{rules}"
-        else:
-            follow = f" ({tc} rest)*" if parallel and not self.json_array else ""
-            lark = (
-                f"%llguidance {{}}\nstart: TEXT | trig rest{follow}\n{rules}\n"
-                f"{trigger_rule(TOOL_CALLS, special)}\n{TEXT_RULE}"
-            )
-        return lark_grammar(lark, param="tools")
+            follow = f" ({tc} rest)*" if spec.parallel else ""  # [TOOL_CALLS] before each call
+            rules = f"rest: {alts}\ncalls: {tc} rest{follow}"
+        free = f"%llguidance {{}}\nstart: TEXT | trig rest{follow}\n{trigger_rule(TOOL_CALLS, spec)}\n{TEXT_RULE}"
+        return calls_grammar(spec, rules, free)
 
     def parser(self, tools: frozenset[str]) -> MistralParser:
         return MistralParser(self.new_id, tools)
@@ -99,22 +92,16 @@ class MistralParser(JsonCallParser):
     def __init__(self, new_id, tools):
         super().__init__(new_id, tools)
         self.state = "text"
-        self.cur = 0
         self.name = self.id = ""
 
     def _parse(self, final: bool) -> list[Event]:
         out: list[Event] = []
         while True:
             if self.state == "text":
-                at = self.text.find(TOOL_CALLS, self.cur)
-                if at == -1:
-                    rest = self.text[self.cur :]
-                    end = len(self.text) - (0 if final else holdback(rest, (TOOL_CALLS,)))
-                    out += self.content.add(self.text[self.cur : end])
-                    self.cur = end
+                events, found = self._text_until(TOOL_CALLS, final)
+                out += events
+                if not found:
                     return out
-                out += self.content.add(self.text[self.cur : at])
-                self.cur = at + len(TOOL_CALLS)
                 self.state = "open"
             if self.state == "open":
                 rest = self.text[self.cur :].lstrip()
