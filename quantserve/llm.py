@@ -13,12 +13,13 @@ from typing import Any
 
 from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
 from quantserve.chat.formats import ToolFormat
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
 from quantserve.engine.async_engine import AsyncEngine, RequestStream
-from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
-from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.scheduler import SchedulerConfig
-from quantserve.engine.sequence import Sequence
 from quantserve.errors import (
     ChatTemplateError,
     ContextLengthExceededError,
@@ -71,14 +72,10 @@ class LLM:
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
-            num_kv_cells=runner.n_kv_cells,
             max_queue_len=settings.max_queue_len,
-            prefix_caching=settings.prefix_cache and runner.supports_prefix_cache,
-            shared_kv=runner.kv_unified,
-            kv_block_size=runner.kv_block_size,
-            pack_slots=runner.batches_slot_runs,
         )
-        self.engine = AsyncEngine(LLMEngine(runner, config), max_queue_len=settings.max_queue_len)
+        kv = make_kv(runner.kv_spec, prefix_caching=settings.prefix_cache)
+        self.engine = AsyncEngine(LLMEngine(runner, config, kv), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()
         # The grammar engine's view of the vocabulary takes about 0.1 s per 50k tokens to build: it is built on a
         # thread of its own from the start, so that neither the load nor the first constrained request waits.

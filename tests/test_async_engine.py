@@ -7,12 +7,13 @@ import threading
 
 import pytest
 
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import SampledToken, Sequence
 from quantserve.engine.async_engine import AsyncEngine
-from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.engine.kv import SlotKV
 from quantserve.engine.llm_engine import LLMEngine
-from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.scheduler import SchedulerConfig
-from quantserve.engine.sequence import SampledToken, Sequence
 from quantserve.errors import ServerOverloadedError
 
 
@@ -39,17 +40,19 @@ class SlowRunner:
             out.append(SampledToken(5) if seq.num_computed == len(seq.tokens) else None)
         return out
 
-    def free(self, seq, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
+    def release(self, seq, *, keep_sampler: bool = False) -> None:
         self.freed.append(seq.request_id)
 
-    def reuse_slot(self, seq) -> None:
-        pass
-
-    def clear_slot(self, slot: int) -> None:
+    def drop_kv(self, ops) -> None:
         pass
 
     def num_kv_used(self) -> int:
         return 0
+
+
+def _engine(runner, *, seqs: int, cells: int, queue: int) -> AsyncEngine:
+    kv = SlotKV(seqs, cells, shared=True, prefix_caching=False)
+    return AsyncEngine(LLMEngine(runner, SchedulerConfig(seqs, 64, queue), kv), max_queue_len=queue)
 
 
 def _seq(rid: str) -> Sequence:
@@ -59,8 +62,7 @@ def _seq(rid: str) -> Sequence:
 
 def test_queue_bound_holds_for_a_burst_and_aborts_free_everything():
     runner = SlowRunner()
-    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, num_kv_cells=10**7, max_queue_len=2)
-    engine = AsyncEngine(LLMEngine(runner, cfg), max_queue_len=2)
+    engine = _engine(runner, seqs=1, cells=10**7, queue=2)
 
     async def main() -> tuple[int, int]:
         accepted, refused = [], 0
@@ -91,8 +93,7 @@ def test_queue_bound_holds_for_a_burst_and_aborts_free_everything():
 
 def test_stop_fails_waiting_streams_cleanly():
     runner = SlowRunner()
-    cfg = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, num_kv_cells=10**7, max_queue_len=8)
-    engine = AsyncEngine(LLMEngine(runner, cfg), max_queue_len=8)
+    engine = _engine(runner, seqs=1, cells=10**7, queue=8)
 
     async def main():
         gen = engine.generate(_seq("a"))
@@ -113,8 +114,7 @@ def test_a_failing_backend_fails_the_streams_instead_of_hanging():
         def free(self, seq, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
             raise RuntimeError("and cannot even free")
 
-    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_kv_cells=100, max_queue_len=8)
-    engine = AsyncEngine(LLMEngine(BrokenRunner(), cfg), max_queue_len=8)
+    engine = _engine(BrokenRunner(), seqs=2, cells=100, queue=8)
 
     async def main():
         gen = engine.generate(_seq("a"))

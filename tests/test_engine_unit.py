@@ -1,13 +1,16 @@
-"""Pure engine parts: incremental detokenizer with stop strings, and the scheduler's batching rules."""
+"""Pure engine parts: incremental detokenizer with stop strings, and the scheduler's batching rules over llama.cpp's
+slot ledger (the paged ledger has its own tests, in test_kv_paged.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from quantserve.engine.detokenizer import IncrementalDetokenizer
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.scheduler import PACK_MIN_PREFIX_GAIN, Scheduler, SchedulerConfig
-from quantserve.engine.sequence import Sequence, SequenceStatus
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.runner import DropKV
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence, SequenceStatus
+from quantserve.engine.kv import PACK_MIN_PREFIX_GAIN, PagedKV, SlotKV
+from quantserve.engine.scheduler import Scheduler, SchedulerConfig
 from quantserve.errors import InvalidRequestError
 
 
@@ -59,6 +62,15 @@ def _seq(rid: str, n_prompt: int) -> Sequence:
     return Sequence(rid, list(range(n_prompt)), p, IncrementalDetokenizer(), max_total_tokens=10_000)
 
 
+def _sched(seqs: int, batch: int, cells: int, *, caching=False, shared=True, pack=False) -> Scheduler:
+    kv = SlotKV(seqs, cells, shared=shared, prefix_caching=caching, pack=pack)
+    return Scheduler(SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=batch, max_queue_len=8), kv)
+
+
+def _slot(seq: Sequence) -> int:
+    return seq.block_table[0]
+
+
 def _run(sched: Scheduler, plan):
     """Pretend the model computed the plan and sampled one token for every sequence that finished its chunk."""
     for seq, n in plan:
@@ -68,9 +80,7 @@ def _run(sched: Scheduler, plan):
 
 
 def test_chunked_prefill_interleaves_with_decode():
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, num_kv_cells=1000, max_queue_len=8)
-    )
+    sched = _sched(4, 16, 1000)
     a = _seq("a", 4)
     sched.add(a)
     plan = sched.schedule().plan
@@ -87,28 +97,24 @@ def test_chunked_prefill_interleaves_with_decode():
 
 
 def test_slots_limit_admission_and_are_reused():
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, num_kv_cells=1000, max_queue_len=8)
-    )
+    sched = _sched(2, 64, 1000)
     seqs = [_seq(str(i), 3) for i in range(3)]
     for s in seqs:
         sched.add(s)
     plan = sched.schedule().plan
     assert [s.request_id for s, _ in plan] == ["0", "1"]
-    assert {seqs[0].seq_id, seqs[1].seq_id} == {0, 1}
+    assert {_slot(seqs[0]), _slot(seqs[1])} == {0, 1}
     assert seqs[2].status is SequenceStatus.WAITING
-    freed = seqs[0].seq_id
+    freed = _slot(seqs[0])
     sched.finish(seqs[0], SequenceStatus.FINISHED_STOPPED)
     _run(sched, plan)
     plan = sched.schedule().plan
-    assert seqs[2].seq_id == freed
+    assert _slot(seqs[2]) == freed
     assert [s.request_id for s, _ in plan] == ["1", "2"]
 
 
 def test_kv_pressure_preempts_newest_and_recomputes():
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_cells=10, max_queue_len=8)
-    )
+    sched = _sched(4, 64, 10)
     a, b = _seq("a", 4), _seq("b", 4)
     sched.add(a)
     sched.add(b)
@@ -127,9 +133,7 @@ def test_kv_pressure_preempts_newest_and_recomputes():
 
 
 def test_waiting_sequence_is_not_admitted_without_kv_room():
-    sched = Scheduler(
-        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, num_kv_cells=12, max_queue_len=8)
-    )
+    sched = _sched(4, 64, 12)
     a, b = _seq("a", 8), _seq("b", 8)
     sched.add(a)
     sched.add(b)
@@ -144,34 +148,27 @@ def _finish_all(sched: Scheduler) -> None:
 
 
 def test_prefix_cache_reuses_the_slot_with_the_longest_common_prefix():
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=2, max_num_batched_tokens=64, num_kv_cells=100, max_queue_len=8, prefix_caching=True
-        )
-    )
+    sched = _sched(2, 64, 100, caching=True)
     system = list(range(100, 120))
     a, b = _seq("a", 0), _seq("b", 0)
     a.tokens, b.tokens = system + [1, 2, 3], [7, 8, 9]
     sched.add(a)
     sched.add(b)
     _run(sched, sched.schedule().plan)
-    slot_a = a.seq_id
+    slot_a = _slot(a)
     _finish_all(sched)
-    assert sched.slot_tokens[slot_a] == system + [1, 2, 3]  # prompt only: the sampled token was never fed
+    assert sched.kv.slot_tokens[slot_a] == system + [1, 2, 3]  # prompt only: the sampled token was never fed
     c = _seq("c", 0)
     c.tokens = system + [4, 5]
     sched.add(c)
     s = sched.schedule()
-    assert s.admitted == [c] and c.seq_id == slot_a and c.num_computed == len(system)
+    assert s.admitted == [c] and _slot(c) == slot_a and c.num_computed == len(system)
     assert [(q.request_id, n) for q, n in s.plan] == [("c", 2)]  # only the new suffix is computed
+    assert s.kv_ops == [DropKV(slot_a, len(system))]  # the slot's cache past the shared prefix goes
 
 
 def test_prefix_cache_always_recomputes_the_last_prompt_token():
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=1, max_num_batched_tokens=64, num_kv_cells=100, max_queue_len=8, prefix_caching=True
-        )
-    )
+    sched = _sched(1, 64, 100, caching=True)
     a = _seq("a", 6)
     sched.add(a)
     _run(sched, sched.schedule().plan)
@@ -183,43 +180,26 @@ def test_prefix_cache_always_recomputes_the_last_prompt_token():
 
 
 def test_shared_pool_evicts_oldest_cached_prefix_when_cells_are_needed():
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=3,
-            max_num_batched_tokens=64,
-            num_kv_cells=20,
-            max_queue_len=8,
-            prefix_caching=True,
-            shared_kv=True,
-        )
-    )
+    sched = _sched(3, 64, 20, caching=True, shared=True)
     a, b = _seq("a", 8), _seq("b", 8)
     a.tokens, b.tokens = [1] * 8, [2] * 8
     for s in (a, b):
         sched.add(s)
     _run(sched, sched.schedule().plan)
+    slot_a, slot_b = _slot(a), _slot(b)
     sched.finish(a, SequenceStatus.FINISHED_STOPPED)  # cached first: evicted first
     sched.finish(b, SequenceStatus.FINISHED_STOPPED)
-    assert sched.num_kv_cached == 16
+    assert sched.kv.num_cached == 16
     c = _seq("c", 10)
     c.tokens = [3] * 10  # shares nothing: takes the empty slot, and needs 10 of the 4 free cells
     sched.add(c)
     s = sched.schedule()
-    assert s.admitted == [c] and c.seq_id not in (a.seq_id, b.seq_id) and s.evicted == [a.seq_id]
-    assert list(sched.slot_tokens) == [b.seq_id] and sched.num_kv_used + sched.num_kv_cached <= 20
+    assert s.admitted == [c] and _slot(c) not in (slot_a, slot_b) and s.kv_ops == [DropKV(slot_a)]
+    assert list(sched.kv.slot_tokens) == [slot_b] and sched.kv.num_used + sched.kv.num_cached <= 20
 
 
 def test_per_sequence_kv_does_not_count_cached_prefixes_against_the_pool():
-    sched = Scheduler(
-        SchedulerConfig(
-            max_num_seqs=2,
-            max_num_batched_tokens=64,
-            num_kv_cells=20,
-            max_queue_len=8,
-            prefix_caching=True,
-            shared_kv=False,
-        )
-    )
+    sched = _sched(2, 64, 20, caching=True, shared=False)
     a = _seq("a", 10)
     sched.add(a)
     _run(sched, sched.schedule().plan)
@@ -228,18 +208,14 @@ def test_per_sequence_kv_does_not_count_cached_prefixes_against_the_pool():
     b.tokens = [9] * 10
     sched.add(b)
     s = sched.schedule()
-    assert s.admitted == [b] and s.evicted == []  # its own slot's cells: nothing to evict
+    assert s.admitted == [b] and s.kv_ops == []  # its own slot's cells: nothing to evict
 
 
-def test_block_accounting_never_plans_more_blocks_than_exist():
-    """kv_block_size 16, 4 blocks: a decoding sequence at a block boundary plus two admissions must fit the pool
-    (the planned growth of earlier entries counts against later admissions)."""
-    from quantserve.backends.torch.block_manager import BlockManager
-
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, num_kv_cells=64, max_queue_len=8,
-                          shared_kv=True, kv_block_size=16)  # fmt: skip
-    sched = Scheduler(cfg)
-    blocks = BlockManager(4, 16)
+def test_paged_ledger_never_plans_more_blocks_than_exist():
+    """16-token blocks, 4 of them: a decoding sequence at a block boundary plus two admissions must fit the pool;
+    the ledger raises if the scheduler ever asks it for a block it does not have."""
+    kv = PagedKV(4, 16, prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_queue_len=8), kv)
     a = _seq("a", 16)
     sched.add(a)
     for i in range(40):
@@ -247,33 +223,20 @@ def test_block_accounting_never_plans_more_blocks_than_exist():
             for rid, n in (("b", 16), ("c", 32)):
                 sched.add(_seq(rid, n))
         step = sched.schedule()
-        for seq in step.preempted:  # as LLMEngine does: a preempted sequence gives its blocks back
-            blocks.deallocate(seq.request_id)
         for seq, n in step.plan:
-            blocks.append_slots(seq.request_id, seq.num_computed + n)  # raises NoFreeBlocks on over-commit
+            assert len(seq.block_table) * 16 >= seq.num_computed + n  # the batch's K/V have somewhere to go
             seq.num_computed += n
             if seq.num_uncomputed == 0:
                 seq.tokens.append(1)
         for seq in [s for s in sched.running if len(s.tokens) >= 40]:
             sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
-            blocks.deallocate(seq.request_id)
         if not sched.has_work():
             break
-    assert not sched.has_work() and blocks.num_free_blocks == 4
+    assert not sched.has_work() and kv.num_free_blocks == 4
 
 
 def _packing_scheduler(max_num_seqs: int) -> Scheduler:
-    return Scheduler(
-        SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=4096,
-            num_kv_cells=max_num_seqs * 1000,
-            max_queue_len=8,
-            prefix_caching=True,
-            shared_kv=False,
-            pack_slots=True,
-        )
-    )
+    return _sched(max_num_seqs, 4096, max_num_seqs * 1000, caching=True, shared=False, pack=True)
 
 
 def test_packed_slots_prefer_the_lowest_free_slot_over_a_short_cached_prefix():
@@ -286,14 +249,14 @@ def test_packed_slots_prefer_the_lowest_free_slot_over_a_short_cached_prefix():
         s.tokens = system + [i] * 5
         sched.add(s)
     _run(sched, sched.schedule().plan)
-    assert [s.seq_id for s in seqs] == [0, 1, 2, 3]
+    assert [_slot(s) for s in seqs] == [0, 1, 2, 3]
     for s in seqs[1:]:  # 1..3 finish; 0 keeps running
         sched.finish(s, SequenceStatus.FINISHED_STOPPED)
     new = _seq("new", 0)
     new.tokens = system + [3] * 5  # slot 3 holds 34 reusable tokens, slot 1 holds 30
     sched.add(new)
     sched.schedule()
-    assert new.seq_id == 1 and new.num_computed == len(system)  # slot 1's shared head is still reused
+    assert _slot(new) == 1 and new.num_computed == len(system)  # slot 1's shared head is still reused
 
 
 @pytest.mark.parametrize(("extra", "slot"), [(PACK_MIN_PREFIX_GAIN - 1, 0), (PACK_MIN_PREFIX_GAIN, 1)])
@@ -309,7 +272,7 @@ def test_packing_gives_way_at_exactly_the_minimum_prefix_gain(extra, slot):
     new.tokens = [2] * extra + [5]  # can reuse `extra` tokens of slot 1, none of slot 0
     sched.add(new)
     sched.schedule()
-    assert new.seq_id == slot
+    assert _slot(new) == slot
 
 
 def test_packed_slots_still_return_a_long_conversation_to_its_own_slot():
@@ -319,11 +282,11 @@ def test_packed_slots_still_return_a_long_conversation_to_its_own_slot():
     for s in (a, b, c):
         sched.add(s)
     _run(sched, sched.schedule().plan)
-    assert c.seq_id == 2
+    assert _slot(c) == 2
     for s in (b, c):
         sched.finish(s, SequenceStatus.FINISHED_STOPPED)
     turn2 = _seq("turn2", 0)
     turn2.tokens = [3] * 400 + [4] * 20  # the conversation goes on: 400 cached tokens are worth a gap
     sched.add(turn2)
     sched.schedule()
-    assert turn2.seq_id == 2 and turn2.num_computed == 400
+    assert _slot(turn2) == 2 and turn2.num_computed == 400

@@ -6,9 +6,10 @@ import pytest
 
 from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
 from quantserve.backends.llamacpp.sampler import SamplerChain
-from quantserve.engine.detokenizer import IncrementalDetokenizer
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.sequence import Sequence
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.runner import DropKV
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
 
 PROMPTS = ["The capital of France is", "Once upon a time, a dragon", "def fibonacci(n):", "Water boils at"]
 
@@ -29,7 +30,7 @@ def _greedy(runner, placed: list[tuple[int, int]], steps: int) -> list[list[int]
         toks = runner.tokenize(PROMPTS[i], add_special=True, parse_special=False)
         params = SamplingParams(temperature=0.0, max_tokens=steps)
         seq = Sequence(str(i), toks, params, IncrementalDetokenizer(), max_total_tokens=256)
-        seq.seq_id = slot
+        seq.block_table = [slot]  # the engine's ledger would give it this slot
         seqs.append(seq)
     for _ in range(steps):
         results = runner.execute([(s, s.num_uncomputed) for s in seqs])
@@ -38,7 +39,8 @@ def _greedy(runner, placed: list[tuple[int, int]], steps: int) -> list[list[int]
         for seq, r in zip(seqs, results, strict=True):
             seq.tokens.append(r.token)
     for s in seqs:
-        runner.free(s)
+        runner.release(s)
+    runner.drop_kv([DropKV(slot) for _, slot in placed])
     return [s.output_tokens for s in seqs]
 
 
@@ -55,11 +57,12 @@ def test_batch_is_written_in_seq_id_order_and_results_come_back_in_plan_order(ru
 def _generate(runner, prompt: str, params: SamplingParams, steps: int) -> list[int]:
     toks = runner.tokenize(prompt, add_special=True, parse_special=False)
     seq = Sequence("g", toks, params, IncrementalDetokenizer(), max_total_tokens=256)
-    seq.seq_id = 0
+    seq.block_table = [0]
     for _ in range(steps):
         (r,) = runner.execute([(seq, seq.num_uncomputed)])
         seq.tokens.append(r.token)
-    runner.free(seq)
+    runner.release(seq)
+    runner.drop_kv([DropKV(0)])
     return seq.output_tokens
 
 

@@ -11,11 +11,12 @@ import torch
 from quantserve.backends.torch.runner import TorchRunner, TorchSettings
 from quantserve.backends.torch.tokenizer import HFTokenizer
 from quantserve.backends.torch.weights import load_model
-from quantserve.engine.detokenizer import IncrementalDetokenizer
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
+from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
-from quantserve.engine.sampling_params import SamplingParams
 from quantserve.engine.scheduler import SchedulerConfig
-from quantserve.engine.sequence import Sequence
 from quantserve.formats import detect
 from tests.conftest import PARIS
 
@@ -40,11 +41,8 @@ def make_engine(model_and_tokenizer, max_num_seqs: int, kv_tokens: int, n_batch:
         model, tok, TorchSettings(n_ctx=min(kv_tokens, 512), max_num_seqs=max_num_seqs, num_kv_tokens=kv_tokens),
         torch.device("cpu"),
     )  # fmt: skip
-    config = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=n_batch, num_kv_cells=runner.n_kv_cells,
-        max_queue_len=64, prefix_caching=False, shared_kv=True, kv_block_size=runner.block_size,
-    )  # fmt: skip
-    return LLMEngine(runner, config), runner
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=n_batch, max_queue_len=64)
+    return LLMEngine(runner, config, make_kv(runner.kv_spec, prefix_caching=False)), runner
 
 
 def run(engine: LLMEngine, runner: TorchRunner, prompts: list[str], max_tokens: int = 20, **params):
@@ -69,7 +67,7 @@ def test_batched_greedy_equals_alone(model_and_tokenizer):
     batched = run(engine, runner, PROMPTS)  # 5 prompts, 4 slots: one waits; prefill chunks mix with decode
     assert all(len(t) == 20 for t in batched)
     assert batched == alone
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_preemption_recomputes_and_leaks_no_blocks(model_and_tokenizer):
@@ -87,7 +85,7 @@ def test_preemption_recomputes_and_leaks_no_blocks(model_and_tokenizer):
     got = run(engine, runner, prompts, max_tokens=24)
     assert preempted, "the KV pool was meant to run out"
     assert got == [run(alone_engine, alone_runner, [p], max_tokens=24)[0] for p in prompts]
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_cancel_frees_blocks(model_and_tokenizer):
@@ -97,10 +95,10 @@ def test_cancel_frees_blocks(model_and_tokenizer):
         engine.add(Sequence(str(i), ids, SamplingParams(max_tokens=100), IncrementalDetokenizer(), 512))
     for _ in range(4):
         engine.step()
-    assert runner.blocks.num_free_blocks < runner.blocks.num_blocks
+    assert engine.kv.num_free_blocks < engine.kv.num_blocks
     engine.abort("0")
     engine.abort("1")
-    assert runner.blocks.num_free_blocks == runner.blocks.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert len(runner.sampler) == 0
     assert run(engine, runner, PROMPTS[:1], max_tokens=4)[0]  # and the engine still works
 

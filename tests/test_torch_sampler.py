@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from quantserve.backends.torch.sampler import Sampler, apply_penalties, filter_threshold, min_p_threshold
-from quantserve.engine.detokenizer import IncrementalDetokenizer
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.sequence import Sequence
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
 from quantserve.errors import InvalidRequestError
 
 V = 64

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from quantserve.backends import LoadedModel
+from quantserve.core.runner import LoadedModel
 from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
 

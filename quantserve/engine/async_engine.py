@@ -9,8 +9,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from quantserve.core.sequence import Sequence, SequenceOutput
 from quantserve.engine.llm_engine import LLMEngine
-from quantserve.engine.sequence import Sequence, SequenceOutput
 from quantserve.errors import ServerOverloadedError
 
 log = logging.getLogger("quantserve.engine")
@@ -38,8 +38,9 @@ class AsyncEngine:
         self._num_waiting = 0  # the scheduler's waiting queue, as the engine thread last saw it
         self._num_inbox_adds = 0  # submitted, not yet taken by the engine thread (guarded by _lock)
         self._stopping = False
-        # Refreshed by the engine thread whenever it goes idle: llama.cpp's own count of cells holding KV, and the
-        # cells the scheduler keeps as prefix cache. With nothing running they must be equal (no leaked KV).
+        # Refreshed by the engine thread whenever it goes idle: the cells holding KV (llama.cpp's own count where it
+        # keeps one, else the ledger's), and the cells the ledger keeps as prefix cache. With nothing running they
+        # must be equal (no leaked KV).
         self.kv_cells_used = 0
         self.kv_cells_cached = 0
         self._thread = threading.Thread(target=self._run, name="quantserve-engine", daemon=True)
@@ -96,8 +97,9 @@ class AsyncEngine:
         while True:
             block = not eng.has_work()
             if block:
-                self.kv_cells_used = eng.runner.num_kv_used()
-                self.kv_cells_cached = eng.scheduler.num_kv_cached
+                own = eng.runner.num_kv_used()
+                self.kv_cells_used = own if own is not None else eng.kv.num_used + eng.kv.num_cached
+                self.kv_cells_cached = eng.kv.num_cached
             try:
                 while True:
                     cmd, arg = self._inbox.get(block=block, timeout=None)

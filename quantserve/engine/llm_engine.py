@@ -5,17 +5,21 @@ from __future__ import annotations
 import logging
 import time
 
-from quantserve.backends import KVCacheFull, ModelRunner
+from quantserve.core.runner import KVCacheFull, ModelRunner
+from quantserve.core.sequence import Sequence, SequenceOutput, SequenceStatus
+from quantserve.engine.kv import KVManager
 from quantserve.engine.scheduler import Scheduler, SchedulerConfig
-from quantserve.engine.sequence import Sequence, SequenceOutput, SequenceStatus
 
 log = logging.getLogger("quantserve.engine")
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig):
+    """Owns the scheduler and its KV ledger; the runner executes what they plan."""
+
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, kv: KVManager):
         self.runner = runner
-        self.scheduler = Scheduler(config)
+        self.kv = kv
+        self.scheduler = Scheduler(config, kv)
         self._by_id: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -26,32 +30,38 @@ class LLMEngine:
         seq = self._by_id.pop(request_id, None)
         if seq is None:
             return None
-        keep_kv = self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self.runner.free(seq, keep_kv=keep_kv)
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._drop_kv()
+        self.runner.release(seq)
         return self._output(seq, "", None)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def _drop_kv(self) -> None:
+        """Make the runner's cache agree with the ledger at once (a finished sequence's KV is freed now)."""
+        ops = self.kv.take_ops()
+        if ops:
+            self.runner.drop_kv(ops)
+
     def step(self) -> list[SequenceOutput]:
         sched = self.scheduler.schedule()
         plan = sched.plan
-        for slot in sched.evicted:
-            self.runner.clear_slot(slot)
-        for seq in sched.admitted:
-            self.runner.reuse_slot(seq)  # drop the slot's cached KV past the prefix this sequence shares
+        if sched.kv_ops:
+            self.runner.drop_kv(sched.kv_ops)
         for seq in sched.preempted:
             log.info("preempted %s (KV full); it will be recomputed", seq.request_id)
-            self.runner.free(seq, keep_sampler=True)
+            self.runner.release(seq, keep_sampler=True)
         if not plan:
             return []
         t0 = time.perf_counter()
         try:
             sampled = self.runner.execute(plan)
-        except KVCacheFull:
+        except KVCacheFull:  # not in normal operation: the ledger plans within the cache
             victim = self.scheduler.preempt_newest()
             if victim is not None:
-                self.runner.free(victim, keep_sampler=True)
+                self.runner.release(victim, keep_sampler=True)
+                self._drop_kv()
             return []
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -101,8 +111,9 @@ class LLMEngine:
         return self._output(seq, text, lps)
 
     def _finish(self, seq, status, text, lps) -> SequenceOutput:
-        keep_kv = self.scheduler.finish(seq, status)
-        self.runner.free(seq, keep_kv=keep_kv)
+        self.scheduler.finish(seq, status)
+        self._drop_kv()
+        self.runner.release(seq)
         self._by_id.pop(seq.request_id, None)
         return self._output(seq, text, lps)
 

@@ -13,9 +13,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from quantserve.chat import ChatPrompt, Event, Reply, ReplyAssembler, TextDelta
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import SequenceOutput, TokenLogprob
 from quantserve.engine.async_engine import RequestStream
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.sequence import SequenceOutput, TokenLogprob
 from quantserve.errors import QuantserveError
 from quantserve.llm import LLM
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from quantserve.backends import LoadedModel, ModelInfo
+from quantserve.core.runner import LoadedModel, ModelInfo
 from quantserve.errors import BackendUnavailableError, ConfigError
 from quantserve.formats import ModelSpec, detect, read_gguf_info
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
-from quantserve.backends import KVCacheFull
 from quantserve.backends.llamacpp.sampler import SamplerChain
-from quantserve.engine.sequence import SampledToken, Sequence, TokenLogprob
+from quantserve.core.runner import DropKV, KVCacheFull, KVSpec
+from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.errors import ConfigError, ModelFileError
 from quantserve.structured import Vocabulary
 
@@ -115,9 +115,16 @@ class LlamaCppRunner:
                 "sequences; lower --ctx-size, --kv-size or --max-num-seqs"
             )
         self.n_kv_cells = lc.llama_n_ctx(self.ctx)
-        self.kv_unified = settings.kv_unified
-        # Per-sequence KV streams: see execute. The unified pool batches any set of sequences in one pass.
-        self.batches_slot_runs = not settings.kv_unified
+        # Sequences run in slots (llama.cpp seq ids). Per-sequence KV streams compute each run of consecutive slots
+        # as its own pass over the weights (see execute), so the ledger keeps running slots packed; the unified
+        # pool batches any set of sequences in one pass.
+        self.kv_spec = KVSpec(
+            "slots",
+            cells=self.n_kv_cells,
+            num_slots=settings.max_num_seqs,
+            shared=settings.kv_unified,
+            pack_slots=not settings.kv_unified,
+        )
         log.info(
             "KV cache: %d cells (%s), %s, flash attention %s",
             self.n_kv_cells,
@@ -198,9 +205,6 @@ class LlamaCppRunner:
     def adds_bos(self) -> bool:
         return bool(lc.llama_vocab_get_add_bos(self.vocab))
 
-    supports_prefix_cache = True
-    kv_block_size = 1  # llama.cpp's KV cells are single tokens
-
     def check_params(self, params) -> None:
         """Build the sampler chain once, so a bad logit_bias is a 400 for this request, not an engine failure."""
         if params.logit_bias:
@@ -215,12 +219,12 @@ class LlamaCppRunner:
         # Per-sequence KV: llama.cpp cuts a batch into one ubatch per run of consecutive, increasing seq ids, in
         # batch order, with the same number of tokens for each sequence (split_equal), and each ubatch is a full
         # pass over the weights. So the batch is written in seq id order: 8 decodes in one pass take 22 ms here,
-        # in the scheduler's order 36 ms.
-        for k in sorted(range(len(plan)), key=lambda k: plan[k][0].seq_id):
+        # in the scheduler's order 36 ms. A sequence's seq id is its slot, the one block of its block table.
+        for k in sorted(range(len(plan)), key=lambda k: plan[k][0].block_table[0]):
             seq, n = plan[k]
             start = seq.num_computed
             toks = seq.tokens
-            sid = seq.seq_id
+            sid = seq.block_table[0]
             for j in range(n):
                 b.token[i] = toks[start + j]
                 b.pos[i] = start + j
@@ -273,19 +277,15 @@ class LlamaCppRunner:
             top = tuple((int(t), float(logits[t]) - lse) for t in cand)
         return TokenLogprob(token, float(logits[token]) - lse, top)
 
-    def free(self, seq: Sequence, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
-        if seq.seq_id >= 0 and not keep_kv:
-            lc.llama_memory_seq_rm(self.memory, seq.seq_id, -1, -1)
+    def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:
             chain = self._samplers.pop(id(seq), None)
             if chain is not None:
                 chain.close()
 
-    def clear_slot(self, slot: int) -> None:
-        lc.llama_memory_seq_rm(self.memory, slot, -1, -1)
-
-    def reuse_slot(self, seq: Sequence) -> None:
-        lc.llama_memory_seq_rm(self.memory, seq.seq_id, seq.num_computed, -1)
+    def drop_kv(self, ops: list[DropKV]) -> None:
+        for op in ops:
+            lc.llama_memory_seq_rm(self.memory, op.slot, op.start, -1)
 
     def num_kv_used(self) -> int:
         """Cells in use according to llama.cpp itself (for leak tests)."""

@@ -7,7 +7,7 @@ import random
 import llama_cpp as lc
 import numpy as np
 
-from quantserve.engine.sampling_params import SamplingParams
+from quantserve.core.sampling_params import SamplingParams
 from quantserve.errors import InvalidRequestError
 
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from quantserve.backends import LoadedModel, ModelInfo
+from quantserve.core.runner import LoadedModel, ModelInfo
 from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
 

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from quantserve.backends import KVCacheFull
-from quantserve.backends.torch.block_manager import BlockManager
 from quantserve.backends.torch.model import KVCache, PagedBatch, Transformer
 from quantserve.backends.torch.sampler import Sampler, check_params
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.sequence import SampledToken, Sequence
+from quantserve.core.runner import DropKV, KVSpec
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import SampledToken, Sequence
 from quantserve.errors import ConfigError
 from quantserve.structured import Vocabulary
 
@@ -65,11 +64,8 @@ def size_kv_cache(
 
 
 class TorchRunner:
-    """Not thread-safe: the engine thread is its only caller."""
-
-    kv_unified = True  # one block pool for all sequences
-    supports_prefix_cache = False  # blocks are freed when a sequence ends
-    batches_slot_runs = False  # any set of sequences is one batch
+    """Not thread-safe: the engine thread is its only caller. The engine's ledger decides which cache blocks each
+    sequence uses (`seq.block_table`); the runner holds the cache's memory and writes and reads where they say."""
 
     def __init__(self, model: Transformer, tokenizer, settings: TorchSettings, device: torch.device):
         self.model = model
@@ -80,11 +76,9 @@ class TorchRunner:
         self.n_vocab = model.args.vocab_size
         dtype = model.model.embed_tokens.weight.dtype
         num_blocks = size_kv_cache(model, settings, dtype, device)
-        self.block_size = self.kv_block_size = settings.block_size
-        self.blocks = BlockManager(num_blocks, self.block_size)
-        # The scheduler counts KV in the same blocks (kv_block_size); should a plan still not fit, execute raises
-        # KVCacheFull and the engine preempts the newest sequence.
+        self.block_size = settings.block_size
         self.n_kv_cells = num_blocks * self.block_size
+        self.kv_spec = KVSpec("paged", cells=self.n_kv_cells, block_size=self.block_size)
         if self.n_kv_cells < settings.n_ctx:
             raise ConfigError(
                 f"the KV cache holds {self.n_kv_cells} tokens, fewer than one {settings.n_ctx}-token sequence "
@@ -140,19 +134,17 @@ class TorchRunner:
         positions: list[int] = []
         slots: list[int] = []
         starts, lens, ctxs, tables, last = [], [], [], [], []
+        bs = self.block_size
         for seq, n in plan:
             start = seq.num_computed
-            key = seq.request_id
-            if not self.blocks.can_append(key, start + n):
-                raise KVCacheFull()
-            self.blocks.append_slots(key, start + n)
+            table = seq.block_table
             starts.append(len(ids))
             lens.append(n)
             ctxs.append(start + n)
             ids.extend(seq.tokens[start : start + n])
             positions.extend(range(start, start + n))
-            slots.extend(self.blocks.slot_mapping(key, start, n))
-            tables.append(self.blocks.block_table(key))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            tables.append(table)
             last.append(len(ids) - 1 if start + n == len(seq.tokens) else -1)
         dev = self.device
         width = max(len(t) for t in tables)
@@ -184,20 +176,15 @@ class TorchRunner:
             seq.num_computed += n
         return results
 
-    def free(self, seq: Sequence, *, keep_sampler: bool = False, keep_kv: bool = False) -> None:
-        self.blocks.deallocate(seq.request_id)
+    def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:
             self.sampler.remove(seq)
 
-    def num_kv_used(self) -> int:
-        """KV cells held by sequences, in tokens (whole blocks)."""
-        return self.blocks.num_used_blocks * self.block_size
+    def drop_kv(self, ops: list[DropKV]) -> None:
+        """Nothing to drop: a paged block's old contents are overwritten when it is used again."""
 
-    def clear_slot(self, slot: int) -> None:  # no prefix cache: nothing is kept in free slots
-        pass
-
-    def reuse_slot(self, seq: Sequence) -> None:
-        pass
+    def num_kv_used(self) -> None:
+        return None  # the engine's ledger is the only count
 
     def close(self) -> None:
         for layer in self.model.model.layers:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from quantserve.engine.sampling_params import SamplingParams
-from quantserve.engine.sequence import SampledToken, Sequence, TokenLogprob
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.errors import InvalidRequestError
 from quantserve.structured import fill_masks
 

@@ -7,8 +7,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from quantserve.engine.detokenizer import IncrementalDetokenizer
-from quantserve.engine.sampling_params import SamplingParams
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from quantserve.structured import Guide
@@ -59,18 +59,21 @@ _counter = itertools.count()
 @dataclass(eq=False)
 class Sequence:
     """`tokens` is prompt + output. The first `num_computed` tokens are in the KV cache; every token after them
-    is fed to the model by the next step that schedules this sequence (a prefill chunk, or one decode token)."""
+    is fed to the model by the next step that schedules this sequence (a prefill chunk, or one decode token).
+
+    `block_table` is its KV handle, set by the engine's KV ledger while it runs: the cache blocks holding its
+    tokens in order (a llama.cpp slot: one block, the slot's number)."""
 
     request_id: str
     prompt_tokens: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     max_total_tokens: int  # context limit for this sequence (prompt + output)
-    seq_id: int = -1  # KV slot; assigned on admission, -1 while waiting
+    seq_id: int = field(default_factory=lambda: next(_counter))  # identity, in order of arrival
     status: SequenceStatus = SequenceStatus.WAITING
     tokens: list[int] = field(init=False)
     num_computed: int = 0
-    arrival: int = field(default_factory=lambda: next(_counter))
+    block_table: list[int] = field(default_factory=list)
     pending_tokens: list[int] = field(default_factory=list)  # sampled but not yet sent (text held back)
     guide: Guide | None = None  # the grammar its output must follow (params.grammar), if any
     stop_hit: str | None = None  # the stop string that ended it

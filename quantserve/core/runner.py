@@ -1,0 +1,126 @@
+"""The contract between the engine and a backend's runner.
+
+The engine owns the KV cache's ledger (quantserve.engine.kv): which blocks each sequence holds, what is cached, when
+a sequence is preempted. A runner owns only the cache's memory. It says how that memory is laid out (KVSpec), and
+each step it executes a scheduled batch over the block tables the engine gave the sequences (`seq.block_table`),
+after dropping whatever cached KV the engine tells it to (DropKV). llama.cpp's per-sequence KV streams are the same
+contract with one big block per sequence (its slot); its unified pool is blocks of one cell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import SampledToken, Sequence
+from quantserve.structured import Vocabulary
+
+
+class KVCacheFull(Exception):
+    """Raised by a runner whose cache could not take a batch after all (the engine preempts and goes on). The
+    engine's ledger makes this an exception: it plans every step within the cache."""
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """How a runner's KV cache is laid out; the engine builds its ledger from it.
+
+    paged: `num_blocks` blocks of `block_size` tokens, any block for any sequence (the torch backend).
+    slots: `num_slots` sequences at once, each in a slot of its own (llama.cpp's seq ids); `shared` puts all
+    `cells` in one pool (llama.cpp's unified KV), else each slot holds cells / num_slots.
+    """
+
+    layout: Literal["paged", "slots"]
+    cells: int  # tokens the cache holds in all
+    block_size: int = 1
+    num_slots: int = 0
+    shared: bool = True
+    # one pass over the weights per run of consecutive slots (llama.cpp's split_equal): keep running slots packed
+    pack_slots: bool = False
+    prefix_cache: bool = True  # KV may outlive its sequence, for the next one with the same prefix
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cells // self.block_size
+
+
+@dataclass(frozen=True)
+class DropKV:
+    """The KV of slot `slot` from position `start` on is no longer valid (llama_memory_seq_rm)."""
+
+    slot: int
+    start: int = 0
+
+
+class Tokenizer(Protocol):
+    """What the engine and the LLM API ask of a model's tokenizer."""
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes a token prints; control tokens print nothing unless `special`."""
+        ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def adds_bos(self) -> bool: ...
+
+
+class ModelRunner(Tokenizer, Protocol):
+    """One model on one backend: its vocabulary, its KV cache's memory, and the forward pass plus sampling."""
+
+    n_ctx: int  # longest sequence (prompt + output) the runner accepts
+    n_vocab: int
+    kv_spec: KVSpec
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError now if this backend cannot honour `params`."""
+        ...
+
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary as the grammar engine reads it (quantserve.structured)."""
+        ...
+
+    def drop_kv(self, ops: list[DropKV]) -> None:
+        """Invalidate cached KV as the engine's ledger says (a runner with a paged cache has nothing to do)."""
+        ...
+
+    def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
+        """Feed the first n uncomputed tokens of each planned sequence in one batch, their K/V into the cache at
+        their block tables, and advance num_computed. For each sequence whose tokens are then all computed, sample
+        its next token; the others get None."""
+        ...
+
+    def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
+        """Forget the sequence's sampling state (kept for a preempted sequence that will recompute)."""
+        ...
+
+    def num_kv_used(self) -> int | None:
+        """Cells holding KV by the runner's own count (leak checks); None where it keeps no count of its own."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What /v1/models and the logs say about the served model."""
+
+    architecture: str
+    n_params: int
+    format: str  # the served weights: gguf, gptq, awq, marlin, compressed-tensors, safetensors
+    backend: str  # llamacpp | torch
+
+
+@dataclass
+class LoadedModel:
+    """What a backend's loader hands to quantserve.llm.LLM."""
+
+    runner: Any  # a ModelRunner
+    info: ModelInfo
+    chat_template: str | None  # the model's own template source, if it has one
+    template_origin: str
+    bos_token: str
+    eos_token: str
+    keep_alive: Any = None  # e.g. a temporary conversion directory, released with the model

@@ -1,0 +1,130 @@
+"""SlotKV: llama.cpp's sequence slots as a KV ledger, with a prefix cache by slot.
+
+A sequence runs in a slot (llama.cpp's seq id; its block table is that one number). With per-sequence KV each slot
+owns cells / num_slots cells; with the unified pool (`shared`) all slots draw on one pool of cells, and a
+sequence's cells are counted from its admission (its whole prompt) so that a step is never planned past the pool.
+
+A finished sequence leaves its KV in its slot, and the next sequence admitted there reuses the prefix they share
+(llama-server's prompt cache); in the unified pool, slots that only cache are emptied, oldest first, when running
+sequences need their cells. The runner is told which cached KV to drop (DropKV).
+
+With `pack`, a new sequence takes the lowest free slot: llama.cpp computes each run of consecutive seq ids as its
+own pass over the weights, so a gap among the running slots costs a pass on every step it lasts (about 5 ms with
+SmolLM2 on 2 cores, a whole step for a larger model); recomputing 256 prompt tokens costs ~0.5 s here once. So a
+higher slot wins only if its cached prefix saves PACK_MIN_PREFIX_GAIN more tokens: short chat prompts share only
+their template's head and pack; a long conversation still gets its own slot back.
+"""
+
+from __future__ import annotations
+
+from quantserve.core.runner import DropKV
+from quantserve.core.sequence import Sequence
+
+PACK_MIN_PREFIX_GAIN = 256
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SlotKV:
+    """The ledger of llama.cpp's slots. Not thread-safe (the engine thread is its only user)."""
+
+    def __init__(self, num_slots: int, cells: int, *, shared: bool, prefix_caching: bool, pack: bool = False):
+        self.num_slots, self.cells, self.shared = num_slots, cells, shared
+        self.per_slot = cells if shared else cells // num_slots
+        self.prefix_caching, self.pack = prefix_caching, pack
+        self._free_slots = list(range(num_slots))
+        self.slot_tokens: dict[int, list[int]] = {}  # free slot -> tokens its KV still holds (oldest first)
+        self._reserved: dict[int, int] = {}  # seq_id -> cells counted for it
+        self._ops: list[DropKV] = []
+
+    # ---- counts ------------------------------------------------------------------------------------
+
+    @property
+    def num_used(self) -> int:
+        return sum(self._reserved.values())
+
+    @property
+    def num_cached(self) -> int:
+        return sum(len(t) for t in self.slot_tokens.values())
+
+    def _pool_free(self) -> int:
+        """Unified pool: cells neither counted for a running sequence nor caching."""
+        return self.cells - self.num_used - self.num_cached
+
+    def take_ops(self) -> list[DropKV]:
+        ops, self._ops = self._ops, []
+        return ops
+
+    # ---- the contract -------------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        if not self._free_slots:
+            return False
+        if not self.shared:
+            return len(seq.tokens) <= self.per_slot
+        slot, n_cached = self._pick(seq)
+        # the cells free once every other slot's cache is dropped and this slot's is cut to the shared prefix
+        return len(seq.tokens) - n_cached <= self._pool_free() + self.num_cached - n_cached
+
+    def allocate(self, seq: Sequence) -> None:
+        slot, n_cached = self._pick(seq)
+        self._free_slots.remove(slot)
+        held = self.slot_tokens.pop(slot, None)
+        if held is not None and len(held) > n_cached:
+            self._ops.append(DropKV(slot, n_cached))
+        seq.block_table = [slot]
+        seq.num_computed = n_cached
+        self._reserved[seq.seq_id] = len(seq.tokens)
+        self._evict()
+
+    def can_append(self, seq: Sequence) -> bool:
+        if not self.shared:
+            return len(seq.tokens) <= self.per_slot
+        return len(seq.tokens) - self._reserved[seq.seq_id] <= self._pool_free() + self.num_cached
+
+    def append(self, seq: Sequence) -> None:
+        self._reserved[seq.seq_id] = len(seq.tokens)
+        self._evict()
+
+    def deallocate(self, seq: Sequence) -> None:
+        slot = seq.block_table[0]
+        self._free_slots.append(slot)
+        self._reserved.pop(seq.seq_id, None)
+        if self.prefix_caching and seq.num_computed:
+            self.slot_tokens[slot] = seq.tokens[: seq.num_computed]  # newest last: emptied last
+        else:
+            self._ops.append(DropKV(slot))
+        seq.block_table = []
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _evict(self) -> None:
+        """Unified pool: empty cached slots, oldest first, until the running sequences' cells fit."""
+        while self.shared and self._pool_free() < 0 and self.slot_tokens:
+            slot = next(iter(self.slot_tokens))
+            del self.slot_tokens[slot]
+            self._ops.append(DropKV(slot))
+
+    def _pick(self, seq: Sequence) -> tuple[int, int]:
+        """The free slot for `seq` and how many of its cached tokens `seq` reuses (never its last token: its logits
+        are needed). With prefix caching, the slot sharing the longest prefix (pack: the lowest free slot unless
+        that saves PACK_MIN_PREFIX_GAIN more tokens); without, the lowest free slot and 0."""
+        lowest = min(self._free_slots)
+        if not self.prefix_caching:
+            return lowest, 0
+
+        def reusable(slot: int) -> int:
+            return min(common_prefix_len(self.slot_tokens.get(slot, []), seq.tokens), len(seq.tokens) - 1)
+
+        # Ties: an empty slot before a cached one, then the oldest cache (kept newest-last), then the lowest slot.
+        age = {slot: i for i, slot in enumerate(self.slot_tokens)}
+        best = max(self._free_slots, key=lambda s: (reusable(s), s not in age, -age.get(s, 0), -s))
+        if self.pack and reusable(best) - reusable(lowest) < PACK_MIN_PREFIX_GAIN:
+            best = lowest
+        return best, reusable(best)
