@@ -54,7 +54,13 @@ def build(cfg: dict, bits: int | None, dtype: torch.dtype, device: torch.device)
 
 
 def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, device: torch.device) -> float:
-    from quantserve.backends.torch.model import KVCache, PagedBatch
+    """Decode tokens/s of `batch` sequences at about `ctx` tokens of context, each step laid out by the runner's
+    own prepare_step (so its host work is counted) and run through the paged forward."""
+    from quantserve.backends.torch.model import KVCache
+    from quantserve.backends.torch.step import prepare_step
+    from quantserve.core.detokenizer import IncrementalDetokenizer
+    from quantserve.core.sampling_params import SamplingParams
+    from quantserve.core.sequence import Sequence
 
     a, bs = model.args, 16
     blocks_per_seq = -(-(ctx + steps + warmup + 1) // bs)
@@ -63,27 +69,29 @@ def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, device: t
         layer.self_attn.cache = KVCache(
             batch * blocks_per_seq * bs, a.num_key_value_heads, a.head_dim, dtype, device
         )
-    tables = torch.arange(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq)
+    seqs = []
+    for i in range(batch):
+        s = Sequence(str(i), [1] * (ctx + 1), SamplingParams(), IncrementalDetokenizer(), 1 << 30)
+        s.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        s.num_computed = ctx  # as if the prompt were in the cache (its values do not change the cost)
+        seqs.append(s)
 
-    def step(pos: int) -> None:
-        slots = tables[:, pos // bs] * bs + pos % bs
-        b = PagedBatch(
-            slot_mapping=slots, q_start=list(range(batch)), q_len=[1] * batch, context_lens=[pos + 1] * batch,
-            block_tables=tables, block_size=bs, decode_rows=torch.arange(batch, device=device), prefill_rows=[],
-            decode_context_lens=torch.full((batch,), pos + 1, device=device),
-        )  # fmt: skip
-        ids = torch.randint(0, a.vocab_size, (batch,), device=device)
-        hidden = model(ids, torch.full((batch,), pos, device=device), b)
-        model.compute_logits(hidden).argmax(-1)
+    def step() -> None:
+        b = prepare_step([(s, 1) for s in seqs], bs, device)
+        hidden = model(b.input_ids, b.positions, b, max_position=seqs[0].num_computed)
+        model.compute_logits(hidden[b.logits_index]).argmax(-1)
+        for s in seqs:
+            s.num_computed += 1
+            s.tokens.append(1)
 
     with torch.inference_mode():
-        for i in range(warmup):
-            step(ctx + i)
+        for _ in range(warmup):
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        for i in range(steps):
-            step(ctx + warmup + i)
+        for _ in range(steps):
+            step()
         if device.type == "cuda":
             torch.cuda.synchronize()
     return batch * steps / (time.perf_counter() - t)

@@ -185,10 +185,11 @@ def _stream(
     used = {EMBED, FINAL_NORM, LM_HEAD}
     embed = reader.get(EMBED)
     yield DenseTensor(EMBED, embed)
-    hidden = None
+    hidden = rope = None
     if tokens is not None:
         hidden = torch.nn.functional.embedding(tokens.to(device), embed.to(device, torch.float32))
-        positions = torch.arange(tokens.shape[1], device=device)
+        n = tokens.shape[1]
+        rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)  # the model's, once
     del embed
     block = _empty_block(args, device)
     state = block.state_dict()
@@ -208,12 +209,12 @@ def _stream(
             dtypes[name] = src.dtype
             used.add(prefix + name)
         del src
-        results = LAYER_METHODS[opt.method](block, hidden, positions if hidden is not None else None, opt)
+        results = LAYER_METHODS[opt.method](block, hidden, rope if hidden is not None else None, opt)
         for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
             if name.removesuffix(".weight") not in LINEARS:
                 p.copy_(p.to(dtypes[name]))
         if hidden is not None and i + 1 < n_layers:
-            run_block(block, hidden, positions, opt.batch_size, out=hidden)
+            run_block(block, hidden, rope, opt.batch_size, out=hidden)
         elapsed = time.perf_counter() - start
         losses = [r[1] for r in results.values() if r[1] is not None]
         bar.set_postfix_str(f"layer {i + 1}/{n_layers} · {opt.method} · {elapsed:.1f} s")
@@ -245,9 +246,7 @@ def _empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
     overwritten)."""
     with torch.device("meta"):
         block = TransformerBlock(args, 0)
-    block = block.to_empty(device=device).float()
-    block.self_attn.rotary = RotaryEmbedding(args).to(device)  # its buffer is computed, not loaded
-    return block.eval()
+    return block.to_empty(device=device).float().eval()
 
 
 def _to_cpu(w: QuantizedWeight) -> QuantizedWeight:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from quantserve.backends.torch.model import ModelArgs, TransformerBlock
+from quantserve.backends.torch.model import ModelArgs, Rope, TransformerBlock
 from quantserve.errors import ConfigError
 from quantserve.kernels.qweight import QuantizedWeight
 
@@ -83,21 +83,21 @@ class _Stop(Exception):
 def run_block(
     block: nn.Module,
     hidden: torch.Tensor,
-    positions: torch.Tensor,
+    rope: Rope,
     batch_size: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """block(hidden) over [n, T, D] in batches of samples; `out` may be `hidden` (samples are independent)."""
     out = torch.empty_like(hidden) if out is None else out
     for s in range(0, hidden.shape[0], batch_size):
-        out[s : s + batch_size] = block(hidden[s : s + batch_size], positions)
+        out[s : s + batch_size] = block(hidden[s : s + batch_size], rope)
     return out
 
 
 def capture(
     block: nn.Module,
     hidden: torch.Tensor,
-    positions: torch.Tensor,
+    rope: Rope,
     names: Iterable[str],
     sink: Callable[[str, torch.Tensor], None],
     batch_size: int,
@@ -117,7 +117,7 @@ def capture(
         for s in range(0, hidden.shape[0], batch_size):
             fired.clear()
             with contextlib.suppress(_Stop):
-                block(hidden[s : s + batch_size], positions)
+                block(hidden[s : s + batch_size], rope)
     finally:
         for h in handles:
             h.remove()
@@ -127,7 +127,7 @@ def _set(block: nn.Module, name: str, qw: QuantizedWeight) -> None:
     block.get_submodule(name).weight.copy_(qw.dequantize().t())
 
 
-def quantize_block_rtn(block: TransformerBlock, hidden, positions, opt: QuantizeOptions) -> LayerResult:
+def quantize_block_rtn(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
     out: LayerResult = {}
     for name in LINEARS:
         w = block.get_submodule(name).weight
@@ -136,13 +136,13 @@ def quantize_block_rtn(block: TransformerBlock, hidden, positions, opt: Quantize
     return out
 
 
-def quantize_block_gptq(block: TransformerBlock, hidden, positions, opt: QuantizeOptions) -> LayerResult:
+def quantize_block_gptq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
     out: LayerResult = {}
     for group in SEQUENTIAL if opt.true_sequential else (LINEARS,):
         hooked = sorted({SAME_INPUT.get(n, n) for n in group})
         gptq = {n: GPTQ(block.get_submodule(n).in_features) for n in hooked}
         capture(
-            block, hidden, positions, hooked, lambda n, x, gptq=gptq: gptq[n].add_batch(x), opt.batch_size
+            block, hidden, rope, hooked, lambda n, x, gptq=gptq: gptq[n].add_batch(x), opt.batch_size
         )
         for name in group:
             src = SAME_INPUT.get(name, name)
@@ -187,16 +187,16 @@ def fold_awq_scales(
             m.weight.copy_(w)
 
 
-def quantize_block_awq(block: TransformerBlock, hidden, positions, opt: QuantizeOptions) -> LayerResult:
+def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
     attn, mlp = block.self_attn, block.mlp
     feats: dict[str, list[torch.Tensor]] = {}
     hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
-    capture(block, hidden, positions, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
+    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
     x_qkv, x_o, x_mlp, x_down = (torch.cat(feats.pop(n)) for n in hooked)
 
     def attn_fn(x: torch.Tensor, ws) -> torch.Tensor:
         names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
-        return functional_call(attn, dict(zip(names, ws, strict=True)), (x, positions))
+        return functional_call(attn, dict(zip(names, ws, strict=True)), (x, rope))
 
     def mlp_fn(x: torch.Tensor, ws) -> torch.Tensor:
         return functional_call(mlp, {"gate_proj.weight": ws[0], "up_proj.weight": ws[1]}, (x,))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantserve.backends.torch.model import ModelArgs, Transformer, TransformerBlock
+from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer, TransformerBlock
 from quantserve.converters import calibration
 from quantserve.converters.calibration import (
     DenseTensor,
@@ -208,11 +208,12 @@ def _block_args(n_kv: int, arch: str = "Qwen2ForCausalLM") -> ModelArgs:
 @pytest.mark.parametrize("n_kv", [4, 2])
 def test_awq_scale_folding_leaves_the_block_unchanged(n_kv: int) -> None:
     torch.manual_seed(0)
-    block = TransformerBlock(_block_args(n_kv)).eval()  # qwen2: q/k/v biases, so v's bias is folded too
+    args = _block_args(n_kv)
+    block = TransformerBlock(args).eval()  # qwen2: q/k/v biases, so v's bias is folded too
     with torch.no_grad():
         for p in block.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    x, pos = torch.randn(2, 10, 64), torch.arange(10)
+    x, pos = torch.randn(2, 10, 64), RotaryEmbedding(args)(torch.arange(10))
     with torch.no_grad():
         before = block(x, pos)
         rand = lambda n: torch.exp(torch.randn(n))  # noqa: E731

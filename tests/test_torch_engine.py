@@ -35,14 +35,16 @@ def model_and_tokenizer(smollm2_hf):
     return model, HFTokenizer.from_dir(smollm2_hf)
 
 
-def make_engine(model_and_tokenizer, max_num_seqs: int, kv_tokens: int, n_batch: int = 64):
+def make_engine(
+    model_and_tokenizer, max_num_seqs: int, kv_tokens: int, n_batch: int = 64, caching=False, n_ctx=512
+):
     model, tok = model_and_tokenizer
     runner = TorchRunner(
-        model, tok, TorchSettings(n_ctx=min(kv_tokens, 512), max_num_seqs=max_num_seqs, num_kv_tokens=kv_tokens),
+        model, tok, TorchSettings(n_ctx=min(kv_tokens, n_ctx), max_num_seqs=max_num_seqs, num_kv_tokens=kv_tokens),
         torch.device("cpu"),
     )  # fmt: skip
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=n_batch, max_queue_len=64)
-    return LLMEngine(runner, config, make_kv(runner.kv_spec, prefix_caching=False)), runner
+    return LLMEngine(runner, config, make_kv(runner.kv_spec, prefix_caching=caching)), runner
 
 
 def run(engine: LLMEngine, runner: TorchRunner, prompts: list[str], max_tokens: int = 20, **params):
@@ -101,6 +103,60 @@ def test_cancel_frees_blocks(model_and_tokenizer):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert len(runner.sampler) == 0
     assert run(engine, runner, PROMPTS[:1], max_tokens=4)[0]  # and the engine still works
+
+
+def run_ids(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outs = {}
+    for i, ids in enumerate(prompts):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add(Sequence(f"p{i}", ids, sp, IncrementalDetokenizer(), max_total_tokens=2048))
+        outs[f"p{i}"] = []
+        while engine.has_work():
+            for out in engine.step():
+                outs[out.request_id].extend(out.token_ids)
+    return [outs[f"p{i}"] for i in range(len(prompts))]
+
+
+def test_prefix_cache_computes_only_the_new_tokens_and_changes_no_output(model_and_tokenizer):
+    """Two requests share a 1,008-token prefix (63 blocks): the second feeds only its own tokens through the
+    model (the runner counts), and gives the tokens it gives on an engine without the cache."""
+    from importlib.resources import files
+
+    _, tok = model_and_tokenizer
+    text = (files("quantserve") / "data/eval.txt").read_text()
+    prefix = tok.tokenize(text, add_special=False, parse_special=False)[:1008]
+    first = prefix + tok.tokenize(" What is this text about?", add_special=False, parse_special=False)
+    second = prefix + tok.tokenize(" Summarise it in one line:", add_special=False, parse_special=False)
+    cached, runner = make_engine(
+        model_and_tokenizer, 1, kv_tokens=4096, n_batch=512, caching=True, n_ctx=2048
+    )
+    run_ids(cached, [first], 8)
+    before = runner.tokens_computed
+    (with_cache,) = run_ids(cached, [second], 8)
+    assert (
+        runner.tokens_computed - before == (len(second) - 1008) + 7
+    )  # its own prompt tokens, then 7 decodes
+    assert cached.kv.hits == 1008
+    plain, _ = make_engine(model_and_tokenizer, 1, kv_tokens=4096, n_batch=512, caching=False, n_ctx=2048)
+    assert run_ids(plain, [second], 8)[0] == with_cache
+    assert cached.kv.num_used == 0 and cached.kv.num_free_blocks == cached.kv.num_blocks
+
+
+def test_cancelling_requests_that_share_cached_blocks_leaks_none(model_and_tokenizer):
+    engine, runner = make_engine(model_and_tokenizer, 4, kv_tokens=1024, caching=True)
+    _, tok = model_and_tokenizer
+    shared = tok.tokenize("You are a helpful assistant. " * 8, add_special=False, parse_special=False)
+    run_ids(engine, [shared + [42]], 2)  # its blocks are now cached
+    for i in range(4):
+        sp = SamplingParams(max_tokens=50, temperature=0.0)
+        engine.add(Sequence(str(i), shared + [i], sp, IncrementalDetokenizer(), max_total_tokens=512))
+    engine.step()
+    engine.step()
+    assert max(engine.kv.ref) == 4  # four running sequences hold the shared blocks
+    for i in range(4):
+        engine.abort(str(i))
+    assert all(r == 0 for r in engine.kv.ref) and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv.num_used == 0 and len(runner.sampler) == 0
 
 
 def greedy_chat(llm, max_tokens: int) -> str:

@@ -9,7 +9,11 @@ import pytest
 import torch
 import transformers
 
-from quantserve.backends.torch.model import KVCache, ModelArgs, PagedBatch, Transformer
+from quantserve.backends.torch.model import KVCache, ModelArgs, Transformer
+from quantserve.backends.torch.step import prepare_step
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
 
 TINY = dict(
     vocab_size=128,
@@ -91,51 +95,57 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
                                         torch.float32, torch.device("cpu"))  # fmt: skip
 
 
-def paged_batch(chunks: list[tuple[int, int, list[int]]], block_size: int) -> PagedBatch:
-    """chunks: (n_cached_before, n_new, block_table) per sequence."""
-    starts, lens, ctxs, slots, decode, prefill = [], [], [], [], [], []
-    t = 0
-    for i, (cached, n, table) in enumerate(chunks):
-        starts.append(t)
-        lens.append(n)
-        ctxs.append(cached + n)
-        for pos in range(cached, cached + n):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        (decode if n == 1 else prefill).append(i)
-        t += n
-    width = max(len(c[2]) for c in chunks)
-    tables = torch.tensor([c[2] + [0] * (width - len(c[2])) for c in chunks])
-    return PagedBatch(
-        slot_mapping=torch.tensor(slots), q_start=starts, q_len=lens, context_lens=ctxs, block_tables=tables,
-        block_size=block_size, decode_rows=torch.tensor(decode, dtype=torch.long), prefill_rows=prefill,
-        decode_context_lens=torch.tensor([ctxs[i] for i in decode], dtype=torch.long),
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
 def test_paged_forward_equals_whole_sequence(case, tmp_path):
-    """Three sequences: one prefilled in two chunks, then all decoded together in one batch."""
+    """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
+    same step as two decodes), the others prefilled together in one padded call, then decoded together."""
     _, ours = tiny_pair(case, tmp_path)
     bs = 4
     attach_cache(ours, num_blocks=32, block_size=bs)
     g = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (13, 6, 9)]
-    tables = [[5, 1, 7, 3], [2, 9], [11, 4, 8]]
+    seqs = []
+    for n, table in zip((13, 6, 9), ([5, 1, 7, 3], [2, 9], [11, 4, 8]), strict=True):
+        s = Sequence(str(n), torch.randint(0, 128, (n,), generator=g).tolist(), SamplingParams(),
+                     IncrementalDetokenizer(), 64)  # fmt: skip
+        s.block_table = table
+        seqs.append(s)
     with torch.no_grad():
-        # step 1: seq 0 first chunk (8), seq 1 whole prompt minus last token (5), seq 2 whole prompt but last (8)
-        plan = [(0, 8, 0), (1, 5, 0), (2, 8, 0)]
-        # step 2: seq 0 rest (5 tokens after 8 cached), seqs 1 and 2 one token each (decode path)
-        plan2 = [(0, 5, 8), (1, 1, 5), (2, 1, 8)]
-        for step in (plan, plan2):
-            ids = torch.tensor([t for i, n, c in step for t in seqs[i][c : c + n]])
-            pos = torch.tensor([p for i, n, c in step for p in range(c, c + n)])
-            batch = paged_batch([(c, n, tables[i]) for i, n, c in step], bs)
-            hidden = ours(ids, pos, batch)
-        last = [sum(n for _, n, _ in plan2[: j + 1]) - 1 for j in range(3)]
-        got = ours.compute_logits(hidden[last])
+        # step 1: seq 0 first chunk (8), seq 1 whole prompt minus last token (5), seq 2 all but its last (8)
+        # step 2: seq 0 the rest (5 after 8 cached), seqs 1 and 2 one token each (the decode call)
+        for plan in ([(seqs[0], 8), (seqs[1], 5), (seqs[2], 8)], [(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)]):
+            step = prepare_step(plan, bs, torch.device("cpu"))
+            hidden = ours(step.input_ids, step.positions, step)
+            for s, n in plan:
+                s.num_computed += n
+        got = ours.compute_logits(hidden[step.logits_index])
         for j, s in enumerate(seqs):
-            want = ours.compute_logits(ours(torch.tensor([s])))[0, -1]
+            want = ours.compute_logits(ours(torch.tensor([s.tokens])))[0, -1]
             assert (got[j] - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+def test_a_paged_forward_makes_no_host_sync_inside_the_layers(tmp_path, monkeypatch):
+    """Every index the layers need is built once per step (prepare_step): inside the layers nothing may read a
+    tensor's value back to the host (.item, .tolist, int(), bool(), .cpu(), nonzero), which on a GPU would stall
+    the stream once per layer."""
+    _, ours = tiny_pair("llama", tmp_path)
+    attach_cache(ours, num_blocks=16, block_size=4)
+    s1 = Sequence("a", list(range(1, 11)), SamplingParams(), IncrementalDetokenizer(), 64)
+    s2 = Sequence("b", list(range(20, 23)), SamplingParams(), IncrementalDetokenizer(), 64)
+    s1.block_table, s2.block_table = [3, 0, 7], [5]
+    s2.num_computed = 2
+    step = prepare_step([(s1, 10), (s2, 1)], 4, torch.device("cpu"))  # a prefill and a decode together
+    syncs: list[str] = []
+    for name in ("item", "tolist", "__int__", "__bool__", "__float__", "cpu", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _name=name, _original=original, **kw):
+            syncs.append(_name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    with torch.no_grad():
+        ours(step.input_ids, step.positions, step, max_position=9)
+    assert syncs == []
 
 
 def test_smollm2_matches_transformers(smollm2_hf):

@@ -52,7 +52,12 @@ def test_full_precision_torch_backend(smollm2_hf, tmp_path):
         assert card["meta"]["backend"] == "torch" and card["meta"]["format"] == "safetensors"
         r = httpx.post(
             srv.base_url + "/v1/chat/completions",
-            json={"messages": PARIS, "response_format": {"type": "json_object"}, "max_tokens": 64},
+            json={
+                "messages": PARIS,
+                "response_format": {"type": "json_object"},
+                "max_tokens": 64,
+                "temperature": 0,
+            },
             timeout=300,
         ).json()
         assert r["choices"][0]["finish_reason"] == "stop"  # the grammar let the model close the object

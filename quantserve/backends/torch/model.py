@@ -3,8 +3,9 @@
 Module and parameter names are the HF checkpoint's (`model.layers.3.self_attn.q_proj.weight`), so a state dict loads
 verbatim. Two ways to run it:
 - `forward(input_ids [B, T])`: causal attention over whole sequences, no cache (tests, calibration);
-- `forward(input_ids [T], positions [T], batch)`: a flattened batch of many sequences' new tokens against a paged KV
-  cache (the engine); `batch` says where each sequence's tokens are and where their K/V go.
+- `forward(input_ids [T], positions [T], step)`: a flattened batch of many sequences' new tokens against a paged KV
+  cache (the engine); `step` (backends/torch/step.py) says where each sequence's tokens are and where their K/V go.
+The model keeps one rotary table; a forward looks its positions up once and hands every layer the same cos/sin.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.backends.torch.step import StepBatch
 from quantserve.errors import UnsupportedFormatError
 
 ARCHITECTURES = {
@@ -135,16 +137,32 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    """The model's one rotary table: cos and sin of every position up to the longest seen so far, in fp32 (HF's
+    rotate_half layout: halves, not pairs). It grows by doubling; a lookup is an index, the same values as
+    computing them (positions x inverse frequencies, then cos/sin)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cos = self._sin = torch.empty(0)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in fp32 (HF's rotate_half layout: halves, not pairs)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def _grow(self, n: int, device: torch.device) -> None:
+        size = max(256, 1 << (n - 1).bit_length())
+        freqs = torch.arange(size, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        self._cos, self._sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def forward(self, positions: torch.Tensor, max_position: int | None = None) -> Rope:
+        """cos, sin [T, head_dim] for positions [T]; `max_position` (the largest, if the caller knows it) saves a
+        look at the device tensor."""
+        top = max_position if max_position is not None else int(positions.max()) if positions.numel() else 0
+        if top >= self._cos.shape[0] or self._cos.device != positions.device:
+            self._grow(top + 1, positions.device)
+        return self._cos[positions], self._sin[positions]
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim] of the tokens at hand
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -167,35 +185,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-@dataclass
-class PagedBatch:
-    """Where a flattened batch's tokens belong. Sequence i owns tokens [q_start[i], q_start[i] + q_len[i]) of the
-    batch and has context_lens[i] tokens in the cache after this step (its new ones included)."""
-
-    slot_mapping: torch.Tensor  # int64 [T]: cache slot of each token's K/V
-    q_start: list[int]
-    q_len: list[int]
-    context_lens: list[int]
-    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with 0
-    block_size: int
-    decode_rows: torch.Tensor | None = None  # int64 [num_decode]: sequences with q_len 1, batched together
-    prefill_rows: list[int] = field(default_factory=list)
-    decode_context_lens: torch.Tensor | None = None  # int64 [num_decode]
-
-
 class KVCache:
     """One layer's paged cache: [num_blocks * block_size, n_kv_heads, head_dim] for K and for V."""
 
     def __init__(self, num_slots: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.k = torch.zeros(num_slots, n_kv, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(num_slots, n_kv, head_dim, dtype=dtype, device=device)
-
-
-def _slots(block_table: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
-    """The first n cache slots of a block table [max_blocks] (or [B, max_blocks] -> [B, n])."""
-    offs = torch.arange(block_size, device=block_table.device)
-    flat = (block_table[..., :, None] * block_size + offs).flatten(-2)
-    return flat[..., :n]
 
 
 class Attention(nn.Module):
@@ -214,60 +209,48 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.rotary = RotaryEmbedding(args)
         self.cache: KVCache | None = None  # set by the runner for paged serving
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | None = None
-    ) -> torch.Tensor:
-        """x [B, T, D] (whole sequences, causal) or [T, D] with `batch` (paged)."""
+    def forward(self, x: torch.Tensor, rope: Rope, step: StepBatch | None = None) -> torch.Tensor:
+        """x [B, T, D] (whole sequences, causal) or [T, D] with `step` (paged)."""
         lead = x.shape[:-1]
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(positions)
+        cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if batch is None:  # [B, T, H, D] -> SDPA's [B, H, T, D]
+        if step is None:  # [B, T, H, D] -> SDPA's [B, H, T, D]
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             ).transpose(1, 2)
         else:
-            out = self._paged(q, k, v, batch)
+            out = self._paged(q, k, v, step)
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
 
-    def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: PagedBatch) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KV, D]: store the new K/V in their slots, attend over each sequence's context."""
+    def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepBatch) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KV, D]: store the new K/V in their slots, then attend over each sequence's context:
+        one call for the decoding sequences, one for the prefilling ones (all indices prepared once per step)."""
         cache = self.cache
         assert cache is not None, "paged forward needs a KV cache"
-        cache.k[b.slot_mapping] = k
-        cache.v[b.slot_mapping] = v
+        cache.k[step.slot_mapping] = k
+        cache.v[step.slot_mapping] = v
         out = torch.empty_like(q)
-        if b.decode_rows is not None and len(b.decode_rows):
-            # One token per sequence: gather every context, padded to the longest, and mask the padding.
-            starts = torch.tensor([b.q_start[i] for i in b.decode_rows.tolist()], device=q.device)
-            max_ctx = int(b.decode_context_lens.max())
-            slots = _slots(b.block_tables[b.decode_rows], max_ctx, b.block_size)  # [B, C]
-            keys = cache.k[slots].transpose(1, 2)  # [B, KV, C, D]
-            vals = cache.v[slots].transpose(1, 2)
-            mask = torch.arange(max_ctx, device=q.device)[None, :] < b.decode_context_lens[:, None]  # [B, C]
+        if (d := step.decode) is not None:
+            keys = cache.k[d.kv_slots].transpose(1, 2)  # [B, KV, C, D]
+            vals = cache.v[d.kv_slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                q[starts][:, :, None, :], keys, vals, attn_mask=mask[:, None, None, :], enable_gqa=True
+                q[d.q_index][:, :, None, :], keys, vals, attn_mask=d.mask, enable_gqa=True
             )  # [B, H, 1, D]
-            out[starts] = o[:, :, 0, :]
-        for i in b.prefill_rows:
-            s, n, ctx = b.q_start[i], b.q_len[i], b.context_lens[i]
-            slots = _slots(b.block_tables[i], ctx, b.block_size)
-            keys, vals = cache.k[slots].transpose(0, 1), cache.v[slots].transpose(0, 1)  # [KV, C, D]
-            qi = q[s : s + n].transpose(0, 1)  # [H, n, D]
-            if n == ctx:
-                o = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, enable_gqa=True)
-            else:  # a chunk after cached tokens: query j sits at position ctx - n + j
-                pos_q = torch.arange(ctx - n, ctx, device=q.device)
-                mask = torch.arange(ctx, device=q.device)[None, :] <= pos_q[:, None]
-                o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, enable_gqa=True)
-            out[s : s + n] = o.transpose(0, 1)
+            out[d.q_index] = o[:, :, 0, :]
+        if (p := step.prefill) is not None:
+            keys = cache.k[p.kv_slots].transpose(1, 2)  # [P, KV, C, D]
+            vals = cache.v[p.kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[p.q_index].transpose(1, 2), keys, vals, attn_mask=p.mask, enable_gqa=True
+            )  # [P, H, Q, D]
+            out[p.q_index[p.q_valid]] = o.transpose(1, 2)[p.q_valid]
         return out
 
 
@@ -291,10 +274,9 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | None = None
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions, batch)
+    def forward(self, x: torch.Tensor, rope: Rope, step: StepBatch | None = None) -> torch.Tensor:
+        """x [B, T, D] or [T, D] (with `step`); `rope` is the model's cos/sin for these tokens' positions."""
+        h = x + self.self_attn(self.input_layernorm(x), rope, step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -316,16 +298,23 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(args)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, batch: PagedBatch | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        step: StepBatch | None = None,
+        max_position: int | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm: [B, T, D] for input_ids [B, T], or [T, D] with a paged batch."""
+        """Hidden states after the final norm: [B, T, D] for input_ids [B, T], or [T, D] with a paged step."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+            max_position = input_ids.shape[-1] - 1
+        rope = self.rotary(positions, max_position)  # once, for every layer
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, positions, batch)
+            x = layer(x, rope, step)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quantserve.backends.torch.model import KVCache, PagedBatch, Transformer
+from quantserve.backends.torch.model import KVCache, Transformer
 from quantserve.backends.torch.sampler import Sampler, check_params
+from quantserve.backends.torch.step import prepare_step
 from quantserve.core.runner import DropKV, KVSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence
@@ -91,6 +92,7 @@ class TorchRunner:
                 num_blocks * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
             )
         self.sampler = Sampler(device, self.n_vocab)
+        self.tokens_computed = 0  # tokens fed through the model, in all (prefix-cache hits are not)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             num_blocks,
@@ -130,50 +132,20 @@ class TorchRunner:
     # ---- execution --------------------------------------------------------------------------------
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, lens, ctxs, tables, last = [], [], [], [], []
-        bs = self.block_size
-        for seq, n in plan:
-            start = seq.num_computed
-            table = seq.block_table
-            starts.append(len(ids))
-            lens.append(n)
-            ctxs.append(start + n)
-            ids.extend(seq.tokens[start : start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            tables.append(table)
-            last.append(len(ids) - 1 if start + n == len(seq.tokens) else -1)
-        dev = self.device
-        width = max(len(t) for t in tables)
-        decode = [i for i, n in enumerate(lens) if n == 1]
-        batch = PagedBatch(
-            slot_mapping=torch.tensor(slots, device=dev),
-            q_start=starts,
-            q_len=lens,
-            context_lens=ctxs,
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev),
-            block_size=self.block_size,
-            decode_rows=torch.tensor(decode, dtype=torch.long, device=dev),
-            prefill_rows=[i for i, n in enumerate(lens) if n > 1],
-            decode_context_lens=torch.tensor([ctxs[i] for i in decode], dtype=torch.long, device=dev),
-        )
+        step = prepare_step(plan, self.block_size, self.device)
+        top = max(seq.num_computed + n for seq, n in plan) - 1  # the largest position: no device lookup
         with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch
-            )  # [T, D]
-            done = [i for i, idx in enumerate(last) if idx >= 0]
+            hidden = self.model(step.input_ids, step.positions, step, max_position=top)  # [T, D]
             sampled: list[SampledToken] = []
-            if done:
-                logits = self.model.compute_logits(hidden[[last[i] for i in done]])  # [len(done), V] fp32
-                sampled = self.sampler.sample(logits, [plan[i][0] for i in done])
+            if step.sampled:
+                logits = self.model.compute_logits(hidden[step.logits_index])  # [S, V] fp32
+                sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
         results: list[SampledToken | None] = [None] * len(plan)
-        for i, tok in zip(done, sampled, strict=True):
-            results[i] = tok
+        for k, tok in zip(step.sampled, sampled, strict=True):
+            results[k] = tok
         for seq, n in plan:
             seq.num_computed += n
+        self.tokens_computed += len(step.positions)
         return results
 
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:

@@ -1,0 +1,120 @@
+"""One engine step laid out once for every layer: the flattened tokens and positions, where their K/V go, and the
+gather indices and masks each attention call needs (nano-vllm's prepare_prefill/prepare_decode).
+
+Everything is built on the host from the plan's Python lists and moved to the device once; the layers then only
+index and call attention, with no host synchronisation and no Python loop over sequences. Decoding sequences (one
+new token) attend together in one call; prefilling sequences (several new tokens, after any cached prefix) attend
+together in another, padded to the longest chunk and the longest context (a varlen batch as padded tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantserve.core.sequence import Sequence
+
+
+@dataclass
+class DecodeBatch:
+    """Sequences with one new token: row i is token q_index[i] of the flat batch."""
+
+    q_index: torch.Tensor  # int64 [B]
+    kv_slots: torch.Tensor  # int64 [B, C]: cache slots of each row's context, padded with slot 0
+    mask: torch.Tensor  # bool [B, 1, 1, C]: the real context positions
+
+
+@dataclass
+class PrefillBatch:
+    """Sequences with several new tokens, padded to Q queries and C context positions each."""
+
+    q_index: torch.Tensor  # int64 [P, Q]: each sequence's tokens in the flat batch (padding: 0)
+    q_valid: torch.Tensor  # bool [P, Q]
+    kv_slots: torch.Tensor  # int64 [P, C]
+    mask: (
+        torch.Tensor
+    )  # bool [P, 1, Q, C]: causal, after the cached prefix; padding queries see position 0 only
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]: the cache slot each new token's K/V is written to
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
+    logits_index: torch.Tensor  # int64 [S]: the tokens whose logits are sampled
+    sampled: list[int]  # which planned sequences those are, in the plan
+
+
+def _slots(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, stop) of a sequence with this block table."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> StepBatch:
+    """The step's batch: for each planned (sequence, n), its next n tokens after num_computed."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    decode_rows: list[tuple[int, list[int]]] = []  # (token index, context slots)
+    prefill_rows: list[tuple[int, int, int, list[int]]] = []  # (first token index, n, context, context slots)
+    logits_index: list[int] = []
+    sampled: list[int] = []
+    for k, (seq, n) in enumerate(plan):
+        start, ctx = seq.num_computed, seq.num_computed + n
+        first = len(ids)
+        ids.extend(seq.tokens[start:ctx])
+        positions.extend(range(start, ctx))
+        slot_mapping.extend(_slots(seq.block_table, start, ctx, block_size))
+        context = _slots(seq.block_table, 0, ctx, block_size)
+        if n == 1:
+            decode_rows.append((first, context))
+        else:
+            prefill_rows.append((first, n, ctx, context))
+        if ctx == len(seq.tokens):  # its whole prompt is in: its next token is sampled
+            logits_index.append(len(ids) - 1)
+            sampled.append(k)
+
+    def tensor(values, dtype=torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    decode = None
+    if decode_rows:
+        width = max(len(c) for _, c in decode_rows)
+        decode = DecodeBatch(
+            q_index=tensor([i for i, _ in decode_rows]),
+            kv_slots=tensor([c + [0] * (width - len(c)) for _, c in decode_rows]),
+            mask=tensor([[j < len(c) for j in range(width)] for _, c in decode_rows], torch.bool)[
+                :, None, None
+            ],
+        )
+    prefill = None
+    if prefill_rows:
+        q_width = max(n for _, n, _, _ in prefill_rows)
+        c_width = max(ctx for _, _, ctx, _ in prefill_rows)
+        q_pos = torch.arange(q_width)
+        c_pos = torch.arange(c_width)
+        masks = []
+        for _, n, ctx, _ in prefill_rows:
+            # query j sits at position ctx - n + j and sees every position up to its own
+            m = c_pos[None, :] <= (ctx - n + q_pos)[:, None]
+            m[n:] = False
+            m[n:, 0] = True  # padding queries attend to one position, so their (unused) rows stay finite
+            masks.append(m)
+        prefill = PrefillBatch(
+            q_index=tensor([[i + j if j < n else 0 for j in range(q_width)] for i, n, _, _ in prefill_rows]),
+            q_valid=tensor([[j < n for j in range(q_width)] for _, n, _, _ in prefill_rows], torch.bool),
+            kv_slots=tensor([c + [0] * (c_width - len(c)) for _, _, _, c in prefill_rows]),
+            mask=torch.stack(masks)[:, None].to(device, non_blocking=True),
+        )
+    return StepBatch(
+        input_ids=tensor(ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slot_mapping),
+        decode=decode,
+        prefill=prefill,
+        logits_index=tensor(logits_index),
+        sampled=sampled,
+    )
