@@ -31,9 +31,9 @@ def main() -> None:
 
     import torch
 
+    from quantserve.cli.eval import gguf_for
     from quantserve.converters import gguf_to_hf, hf_to_gguf
-    from quantserve.converters.quantize import quantize_checkpoint
-    from quantserve.eval_cmd import _gguf_for
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
     from quantserve.evaluate import perplexity
 
     torch.set_num_threads(args.threads)
@@ -46,7 +46,7 @@ def main() -> None:
     rows = []
 
     def score(name: str, model: Path, seconds: float | None, bits: str) -> None:
-        gguf = _gguf_for(str(model), None)
+        gguf = gguf_for(str(model), None)
         r = perplexity(gguf, text, n_ctx=512, threads=args.threads)
         rows.append((name, bits, r.ppl, seconds))
         print(f"{name}: PPL {r.ppl:.4f} ({seconds or 0:.1f} s)", flush=True)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: import the qua
 from serving_report import QUANTSERVE, write_report  # noqa: E402
 
 from quantserve import __version__ as quantserve_version  # noqa: E402
-from quantserve.loadgen import (  # noqa: E402
+from quantserve.cli.loadgen import (  # noqa: E402
     DEFAULT_PROMPTS,
     LoadResult,
     LoadSpec,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from constrained import hf_checkpoint  # noqa: E402
 from serving import ServerDef, free_port, machine_info, stop, versions, wait_serving  # noqa: E402
 
-from quantserve.loadgen import LoadSpec, run_load  # noqa: E402
+from quantserve.cli.loadgen import LoadSpec, run_load  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
 
 BUILD = ROOT / "bench/.build"

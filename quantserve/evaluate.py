@@ -44,11 +44,11 @@ class ChunkScorer:
     least n_ctx/2 tokens of context)."""
 
     def __init__(self, path: Path, *, n_ctx: int = 512, threads: int = 0):
-        from quantserve.backends.llamacpp.model import _init_backend
+        from quantserve.backends.llamacpp.model import init_backend
         from quantserve.formats import read_gguf_info
 
         read_gguf_info(path)  # validated before llama.cpp opens it
-        _init_backend()
+        init_backend()
         self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
         if not self.model:
             raise ConfigError(f"llama.cpp could not load {path}")

@@ -59,23 +59,32 @@ class EngineSettings:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    waiting: int  # queued, not yet scheduled
+    running: int
+    kv_cells_used: int  # KV cells holding tokens (llama.cpp's own count where it keeps one)
+    kv_cells_cached: int  # of those, cells kept only as prefix cache
+
+
 class LLM:
     """A loaded model behind an engine thread. Use `LLM.load(...)`, then `generate`/`chat` from asyncio code."""
 
     def __init__(self, name: str, runner, settings: EngineSettings, chat_template: ChatTemplate | None, info):
         self.name = name
-        self.runner = runner
+        self._runner = runner
         self.settings = settings
         self.chat_template = chat_template
         self.info = info  # ModelInfo: architecture, size, format, backend
         self.n_ctx = runner.n_ctx
+        self.n_vocab = runner.n_vocab
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
             max_queue_len=settings.max_queue_len,
         )
         kv = make_kv(runner.kv_spec, prefix_caching=settings.prefix_cache)
-        self.engine = AsyncEngine(LLMEngine(runner, config, kv), max_queue_len=settings.max_queue_len)
+        self._engine = AsyncEngine(LLMEngine(runner, config, kv), max_queue_len=settings.max_queue_len)
         self._embed_lock = asyncio.Lock()
         # The grammar engine's view of the vocabulary takes about 0.1 s per 50k tokens to build: it is built on a
         # thread of its own from the start, so that neither the load nor the first constrained request waits.
@@ -88,7 +97,7 @@ class LLM:
 
     def _build_guides(self) -> None:
         try:
-            self._guides = GuideCompiler(self.runner.vocabulary(), self.runner.n_vocab)
+            self._guides = GuideCompiler(self._runner.vocabulary(), self._runner.n_vocab)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the first request that needs it
             self._guides_error = exc
 
@@ -167,11 +176,11 @@ class LLM:
         return self._format.name if self.chat_template is not None else None
 
     def tokenize_prompt(self, text: str, *, chat: bool) -> list[int]:
-        add_special = self.runner.adds_bos()
+        add_special = self._runner.adds_bos()
         if chat and self.chat_template and self.chat_template.bos_token:
             # Templates that write the BOS themselves must not get a second one from the tokenizer.
             add_special = add_special and not text.startswith(self.chat_template.bos_token)
-        return self.runner.tokenize(text, add_special=add_special, parse_special=True)
+        return self._runner.tokenize(text, add_special=add_special, parse_special=True)
 
     def check_context(self, n_prompt: int, max_tokens: int | None) -> int:
         """Returns the max_tokens to use. Raises ContextLengthExceededError like OpenAI/vLLM do."""
@@ -216,10 +225,10 @@ class LLM:
             detokenizer=IncrementalDetokenizer(params.stop),
             max_total_tokens=self.n_ctx,
         )
-        self.runner.check_params(params)
+        self._runner.check_params(params)
         if params.grammar is not None:
             seq.guide = self.guides.guide(params.grammar)  # a grammar llguidance rejects is a 400 here
-        return self.engine.generate(seq)
+        return self._engine.generate(seq)
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
         """Stream the assistant's reply to OpenAI-style messages; `sampling` takes SamplingParams' fields."""
@@ -232,25 +241,33 @@ class LLM:
                 yield out.text
 
     def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+        return b"".join(self._runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
     def token_text(self, token: int) -> str:
-        return self.runner.token_bytes(token).decode("utf-8", "replace")
+        return self._runner.token_bytes(token).decode("utf-8", "replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._runner.token_bytes(token)
+
+    def stats(self) -> EngineStats:
+        """The engine's queue and KV occupancy now, for /metrics."""
+        e = self._engine
+        return EngineStats(e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached)
 
     async def embed(self, tokens: list[int]) -> list[float]:
-        if not hasattr(self.runner, "embed"):
+        if not hasattr(self._runner, "embed"):
             raise EmbeddingsUnsupportedError(f"model {self.name!r} cannot produce embeddings", param="input")
         if len(tokens) > self.n_ctx:
             raise ContextLengthExceededError(
                 f"input has {len(tokens)} tokens; the maximum is {self.n_ctx}", param="input"
             )
         async with self._embed_lock:
-            return await asyncio.to_thread(self.runner.embed, tokens)
+            return await asyncio.to_thread(self._runner.embed, tokens)
 
     def close(self) -> None:
         self._guides_thread.join()  # it reads the runner's vocabulary
-        self.engine.stop()
-        self.runner.close()
+        self._engine.stop()
+        self._runner.close()
         if getattr(self, "_keep_alive", None) is not None:
             self._keep_alive.cleanup()
 

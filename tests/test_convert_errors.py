@@ -11,14 +11,14 @@ import gguf
 import pytest
 from click.testing import CliRunner
 
-from quantserve.convert_cmd import convert
+from quantserve.cli.convert import convert
 from quantserve.converters import gguf_to_hf, hf_to_gguf
-from quantserve.converters.gguf_tensors import GGUFTensorReader
-from quantserve.converters.safetensors_source import SafetensorsSource
-from quantserve.converters.staging import ConversionError
-from quantserve.converters.tokenizer_from_gguf import tokenizer_from_gguf
+from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import read_gguf_info
+from quantserve.formats.staging import ConversionError
+from quantserve.gguf.safetensors_source import SafetensorsSource
+from quantserve.gguf.tensors import GGUFTensorReader
 
 pytest.importorskip("transformers")
 from tests.test_convert_hf_to_gguf import make_checkpoint  # noqa: E402

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from quantserve.converters import gguf_to_hf, hf_to_gguf
-from quantserve.converters.native_quant import quantize_file
-from quantserve.converters.quant_types import QUANTS
-from quantserve.converters.tokenizer_from_gguf import tokenizer_from_gguf
+from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
 from quantserve.formats import read_gguf_info
+from quantserve.gguf.native_quant import quantize_file
+from quantserve.gguf.quant_types import QUANTS
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

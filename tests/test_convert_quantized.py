@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from quantserve.cli import main
-from quantserve.converters.dequantize import dequantize_checkpoint
 from quantserve.formats import detect
 from quantserve.formats.quant_read import open_quantized
+from quantserve.quant.dequantize import dequantize_checkpoint
 
 
 @pytest.fixture(scope="module")

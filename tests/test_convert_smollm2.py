@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from quantserve.converters import hf_to_gguf
-from quantserve.converters.gguf_tensors import GGUFTensorReader
 from quantserve.formats import read_gguf_info, read_safetensors_header
+from quantserve.gguf.tensors import GGUFTensorReader
 from tests.conftest import PARIS
 
 torch = pytest.importorskip("torch")

@@ -13,11 +13,11 @@ from pathlib import Path
 import gguf
 import pytest
 
-from quantserve.converters.pretokenizers import CHECK_TEXT, PRE_TOKENIZER_HASHES
-from quantserve.converters.tokenizer_from_gguf import PRE_KEY, tokenizer_from_gguf
-from quantserve.converters.tokenizer_to_gguf import vocab_from_hf
+from quantserve.converters.gguf.tokenizer import PRE_KEY, tokenizer_from_gguf
 from quantserve.errors import UnsupportedFormatError
 from quantserve.formats import read_gguf_info
+from quantserve.gguf.pretokenizers import CHECK_TEXT, PRE_TOKENIZER_HASHES
+from quantserve.gguf.tokenizer import vocab_from_hf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 

@@ -11,18 +11,18 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 from safetensors import safe_open
 
-from quantserve.converters.native_quant import ggml_quantize
-from quantserve.converters.pretokenizers import PRE_TOKENIZER_HASHES, PRE_TOKENIZERS
-from quantserve.converters.quant_types import QUANTS, direct_tensor_type, parse_quant
-from quantserve.converters.safetensors_out import PlannedTensor, SafetensorsWriter
-from quantserve.converters.staging import staged_output
-from quantserve.converters.tensor_math import (
+from quantserve.errors import ConfigError
+from quantserve.formats.safetensors_out import PlannedTensor, SafetensorsWriter
+from quantserve.formats.staging import staged_output
+from quantserve.gguf.native_quant import ggml_quantize
+from quantserve.gguf.pretokenizers import PRE_TOKENIZER_HASHES, PRE_TOKENIZERS
+from quantserve.gguf.quant_types import QUANTS, direct_tensor_type, parse_quant
+from quantserve.gguf.tensor_math import (
     bf16_to_f32,
     f32_to_bf16,
     qk_gguf_rows_for_hf,
     qk_hf_rows_for_gguf,
 )
-from quantserve.errors import ConfigError
 
 RNG = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""quantserve.loadgen and `quantserve bench` against a tiny in-process fake OpenAI server."""
+"""quantserve.cli.loadgen and `quantserve bench` against a tiny in-process fake OpenAI server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from quantserve.bench_cmd import bench
-from quantserve.loadgen import (
+from quantserve.cli.bench import bench
+from quantserve.cli.loadgen import (
     LoadResult,
     LoadSpec,
     RequestResult,
@@ -27,7 +27,7 @@ from quantserve.loadgen import (
     synthetic_prompts,
     wait_ready,
 )
-from quantserve.loadgen_report import ratios, render_ratio, render_table
+from quantserve.cli.loadgen_report import ratios, render_ratio, render_table
 from tests.conftest import free_port
 
 TOKEN_DELAY_S = 0.002

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from quantserve.quant_cache import QuantCache
+from quantserve.insitu.cache import QuantCache
 
 
 def _src(tmp_path, weights: bytes = b"w" * 1000):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantserve.converters.quant_out import WriteOptions, write_quantized
+from quantserve.converters.hf_quant import WriteOptions, write_quantized
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import detect, read_safetensors_header
 from quantserve.formats.quant_read import open_quantized

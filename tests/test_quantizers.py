@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import weakref
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -12,16 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer, TransformerBlock
-from quantserve.converters import calibration
-from quantserve.converters.calibration import (
-    DenseTensor,
-    QuantizedLinear,
-    default_calibration_text,
-    quantize_model,
-    split_tokens,
-)
-from quantserve.converters.calibration_layers import LINEARS, fold_awq_scales
-from quantserve.converters.quantize_awq import (
+from quantserve.converters.calibration.awq import (
     AWQQuantizer,
     apply_clip,
     apply_scale,
@@ -29,9 +21,18 @@ from quantserve.converters.quantize_awq import (
     search_clip,
     search_scale,
 )
-from quantserve.converters.quantize_gptq import GPTQ
-from quantserve.converters.quantize_rtn import GroupQuantizer, fake_quantize, quantize_rtn
+from quantserve.converters.calibration.driver import (
+    DenseTensor,
+    QuantizedLinear,
+    SafetensorsReader,
+    default_calibration_text,
+    quantize_model,
+    split_tokens,
+)
+from quantserve.converters.calibration.gptq import GPTQ
+from quantserve.converters.calibration.layers import LINEARS, fold_awq_scales
 from quantserve.errors import ConfigError
+from quantserve.quant.rtn import GroupQuantizer, fake_quantize, quantize_rtn
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -305,14 +306,14 @@ def _hidden(d: Path, items: list | None, tokens: torch.Tensor) -> torch.Tensor:
 def test_driver_yields_every_linear_and_streams_one_layer(tmp_path: Path, monkeypatch, tie: bool) -> None:
     d = _tiny_llama(tmp_path / "m", tie=tie)
     loaded: list[tuple[str, weakref.ref]] = []
-    get = calibration.SafetensorsReader.get
+    get = SafetensorsReader.get
 
     def tracking_get(self, name: str) -> torch.Tensor:
         t = get(self, name)
         loaded.append((name, weakref.ref(t)))
         return t
 
-    monkeypatch.setattr(calibration.SafetensorsReader, "get", tracking_get)
+    monkeypatch.setattr(SafetensorsReader, "get", tracking_get)
     tokens = torch.randint(0, 256, (4, 32), generator=_gen(7))
     names, per_layer = [], 9
     for item in quantize_model(d, "gptq", 4, 32, calib_tokens=tokens, progress=False):
@@ -404,7 +405,7 @@ def test_driver_checks_options_before_any_work(tmp_path: Path) -> None:
 def test_calibration_text_and_windows() -> None:
     text = default_calibration_text()
     assert 8_000 < len(text) < 40_000
-    eval_text = (Path(calibration.__file__).parents[1] / "quantserve" / "data" / "eval.txt").read_text()
+    eval_text = resources.files("quantserve").joinpath("data/eval.txt").read_text(encoding="utf-8")
     assert text[:200] not in eval_text  # calibration must not see the evaluation text
     t = split_tokens(list(range(1000)), n_samples=128, seq_len=300)
     assert (

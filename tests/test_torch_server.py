@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def quantized(smollm2_hf, tmp_path_factory):
     """GPTQ and AWQ (4-bit, group 64: SmolLM2's K = 576 is not a multiple of 128) from a short calibration run."""
-    from quantserve.converters.quantize import quantize_checkpoint
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
 
     out = tmp_path_factory.mktemp("quantized")
     return {

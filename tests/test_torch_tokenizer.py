@@ -102,7 +102,7 @@ def test_vocab_files_match_llama_cpp(name, tmp_path):
     path = VOCABS / f"ggml-vocab-{name}.gguf"
     if not path.is_file():
         pytest.skip(f"{path} not present (vendored llama.cpp sources are extracted under bench/.build)")
-    from quantserve.converters.tokenizer_from_gguf import tokenizer_from_gguf
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
 
     md = read_gguf_info(path).metadata
     tokenizer_from_gguf(md).save(tmp_path)

@@ -9,6 +9,12 @@ from typing import Any
 
 from quantserve.errors import ModelFileError
 
+# What a model directory holds besides weights and config.json; copied into every directory derived from it.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
+
 
 def read_json_object(path: Path) -> dict[str, Any]:
     try:

@@ -103,10 +103,11 @@ def create_app(
     @app.get("/metrics")
     async def metrics():
         if state.llm is not None:
-            state.metrics.queue_depth.set(state.llm.engine.num_waiting)
-            state.metrics.running.set(state.llm.engine.num_running)
-            state.metrics.kv_cells_used.set(state.llm.engine.kv_cells_used)
-            state.metrics.kv_cells_cached.set(state.llm.engine.kv_cells_cached)
+            stats = state.llm.stats()
+            state.metrics.queue_depth.set(stats.waiting)
+            state.metrics.running.set(stats.running)
+            state.metrics.kv_cells_used.set(stats.kv_cells_used)
+            state.metrics.kv_cells_cached.set(stats.kv_cells_cached)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(llm_: LLM) -> dict:

@@ -84,7 +84,7 @@ def chat_request(body: ChatCompletionRequest, llm: LLM) -> ChatRequest:
 def _chat_logprobs(llm: LLM, lps) -> list[dict]:
     def entry(tok: int, lp: float) -> dict:
         text = llm.token_text(tok)
-        return {"token": text, "logprob": lp, "bytes": list(llm.runner.token_bytes(tok))}
+        return {"token": text, "logprob": lp, "bytes": list(llm.token_bytes(tok))}
 
     return [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
@@ -216,9 +216,9 @@ def _prompts(llm: LLM, prompt) -> list[list[int]]:
     for p in prompt:
         out.append(llm.tokenize_prompt(p, chat=False) if isinstance(p, str) else list(p))
     for toks in out:
-        if any(not 0 <= t < llm.runner.n_vocab for t in toks):
+        if any(not 0 <= t < llm.n_vocab for t in toks):
             raise InvalidRequestError(
-                f"'prompt' has token ids outside 0..{llm.runner.n_vocab - 1}", param="prompt"
+                f"'prompt' has token ids outside 0..{llm.n_vocab - 1}", param="prompt"
             )
     return out
 

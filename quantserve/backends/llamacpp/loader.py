@@ -19,7 +19,7 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
     import tempfile
     from pathlib import Path
 
-    from quantserve.converters.dequantize import dequantize_checkpoint
+    from quantserve.quant.dequantize import dequantize_checkpoint
 
     log.info("backend llamacpp: %s is %s; dequantizing it for conversion to GGUF", spec.path, spec.format)
     tmp = tempfile.TemporaryDirectory(prefix="quantserve-dequant-")

@@ -50,7 +50,8 @@ def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 _backend_ready = False
 
 
-def _init_backend() -> None:
+def init_backend() -> None:
+    """Initialise llama.cpp once per process, with its log routed to Python logging; call before any model load."""
     global _backend_ready
     if not _backend_ready:
         lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
@@ -64,7 +65,7 @@ class LlamaCppRunner:
     Not thread-safe: the engine thread is its only caller (embeddings use a context of their own)."""
 
     def __init__(self, path: Path, settings: LlamaCppSettings, n_ctx_train: int | None = None):
-        _init_backend()
+        init_backend()
         self.path = Path(path)
         self.settings = settings
         for name, value in (("cache_type_k", settings.cache_type_k), ("cache_type_v", settings.cache_type_v)):

@@ -1,7 +1,7 @@
 """HFTokenizer: an HF checkpoint's tokenizer (tokenizer.json + configs) with the llama.cpp backend's semantics.
 
 The ids come from the `tokenizers` library. Everything around them follows what llama.cpp does with the GGUF
-that llama.cpp's convert_hf_to_gguf.py (or our converters/tokenizer_to_gguf.py) makes from the same files, so
+that llama.cpp's convert_hf_to_gguf.py (or our quantserve/gguf/tokenizer.py) makes from the same files, so
 that both backends agree on a model (FORMATS.md §4.3): which tokens are control tokens, the bytes each token
 stands for (`llama_token_to_piece` with special=false: control tokens print nothing), and which tokens end
 generation (llama-vocab.cpp `load`, which picks them by their text).

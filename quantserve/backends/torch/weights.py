@@ -159,7 +159,7 @@ def load_model(
 def _quantize_in_place(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
     """--quant int4: RTN 4-bit symmetric per group (128, or 64 / -1 where K needs it), then Marlin."""
     from quantserve.backends.torch.quant_linear import QuantLinear
-    from quantserve.converters.quantize_rtn import quantize_rtn
+    from quantserve.quant.rtn import quantize_rtn
 
     for prefix in tqdm(decoder_linears(model), desc="quantize int4 (RTN)", unit="linear", leave=False):
         lin = model.get_submodule(prefix)

@@ -1,0 +1,258 @@
+"""Layer-by-layer quantization driver: stream a dense HF checkpoint one decoder layer at a time through RTN,
+GPTQ or AWQ, yielding every quantized linear and the tensors that stay dense.
+
+Memory: one decoder layer (float32, on `device`) plus the calibration activations [n_samples, seq_len, hidden]
+(and, for AWQ, the inputs of that layer's linears). Layer i+1 is calibrated on layer i's outputs computed with
+layer i's *quantized* weights, as GPTQ's reference llama.py does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, TransformerBlock
+from quantserve.converters.calibration.layers import LAYER_METHODS, LINEARS, QuantizeOptions, run_block
+from quantserve.errors import ConfigError, ModelFileError
+from quantserve.formats import detect
+from quantserve.kernels.qweight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+DEFAULT_N_SAMPLES = 128  # AutoAWQ's default; the built-in text gives fewer (see split_tokens)
+DEFAULT_SEQ_LEN = 512
+EMBED, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """A quantized linear; `prefix` is its name without `.weight` (model.layers.3.mlp.up_proj)."""
+
+    prefix: str
+    weight: QuantizedWeight  # on the CPU
+    bias: torch.Tensor | None  # [N] in the checkpoint's dtype (qwen2 q/k/v; AWQ may have rescaled v's)
+    loss: float | None = None  # GPTQ: ‖(W − Ŵ) X‖² per calibration token
+
+
+@dataclass(frozen=True)
+class DenseTensor:
+    """A tensor left unquantized (embeddings, norms (AWQ-rescaled), lm_head), in the checkpoint's dtype."""
+
+    name: str
+    tensor: torch.Tensor
+
+
+class SafetensorsReader:
+    """The tensors of a dense checkpoint by name, each read on request from safetensors' memory map."""
+
+    def __init__(self, files: tuple[Path, ...] | list[Path]):
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 - not a dict
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ModelFileError(f"the checkpoint has no tensor '{name}'; is it complete?")
+        return self._where[name].get_tensor(name)
+
+
+def default_calibration_text() -> str:
+    """The built-in calibration text (quantserve/data/calib.txt; deliberately not the evaluation text)."""
+    return (resources.files("quantserve") / "data" / "calib.txt").read_text(encoding="utf-8")
+
+
+def split_tokens(
+    ids: list[int], n_samples: int = DEFAULT_N_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN
+) -> torch.Tensor:
+    """Consecutive, non-overlapping windows: int64 [n, T] with T = min(seq_len, len(ids)) and
+    n = min(n_samples, len(ids) // T). A short text gives fewer samples rather than repeated ones.
+
+    Raises:
+        ConfigError: fewer than 16 tokens.
+    """
+    if len(ids) < 16:
+        raise ConfigError(f"the calibration text has only {len(ids)} tokens; pass a longer --calib file")
+    t = min(seq_len, len(ids))
+    n = max(1, min(n_samples, len(ids) // t))
+    return torch.tensor(ids[: n * t], dtype=torch.long).reshape(n, t)
+
+
+def calibration_tokens(
+    src_dir: str | Path,
+    text: str | None = None,
+    n_samples: int = DEFAULT_N_SAMPLES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+) -> torch.Tensor:
+    """Tokenize `text` (default: the built-in calibration text) with the model's tokenizer.json; [n, T]."""
+    from tokenizers import Tokenizer
+
+    path = Path(src_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{src_dir} has no tokenizer.json to tokenize the calibration text; pass token ids")
+    tok = Tokenizer.from_file(str(path))
+    text = default_calibration_text() if text is None else text
+    return split_tokens(tok.encode(text, add_special_tokens=False).ids, n_samples, seq_len)
+
+
+def quantize_model(
+    src_dir: str | Path,
+    method: str = "gptq",
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    act_order: bool = False,
+    calib_tokens: torch.Tensor | None = None,
+    *,
+    damp_percent: float = 0.01,
+    static_groups: bool = False,
+    true_sequential: bool = True,
+    duo_scaling: bool = False,
+    scale_dtype: torch.dtype = torch.float16,
+    device: str | torch.device | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> Iterator[QuantizedLinear | DenseTensor]:
+    """Quantize every decoder linear of a dense llama/mistral/qwen2/qwen3 checkpoint, one layer at a time.
+
+    Args:
+        src_dir: HF model directory (config.json + fp16/bf16/fp32 safetensors).
+        method: "rtn", "gptq" or "awq" (AWQ: sym=False is AutoAWQ's zero_point=True; act_order must be off).
+        calib_tokens: int64 [n_samples, seq_len]; None: the built-in text through the model's tokenizer
+            (calibration_tokens). Ignored by rtn.
+        batch_size: calibration samples per forward call.
+        device: where layers and activations live; default cuda when available.
+
+    Returns:
+        An iterator of QuantizedLinear (every q/k/v/o/gate/up/down of every layer) and DenseTensor
+        (embeddings, per-layer norms, final norm, untied lm_head), layer by layer, all on the CPU. Checks
+        run now; the work happens as it is consumed.
+
+    Raises:
+        ConfigError: bad options, K not a multiple of group_size, an already-quantized checkpoint.
+        UnsupportedFormatError: an architecture the torch model does not implement.
+    """
+    spec = detect(src_dir)
+    if spec.format != "safetensors" or not spec.config:
+        raise ConfigError(
+            f"{src_dir} is a {spec.format} model; quantize a dense fp16/bf16/fp32 safetensors checkpoint "
+            "with its config.json"
+        )
+    args = ModelArgs.from_hf_config(spec.config)
+    opt = QuantizeOptions(
+        method, bits, group_size, sym, act_order, damp_percent, static_groups, true_sequential, duo_scaling,
+        scale_dtype, batch_size,
+    )  # fmt: skip
+    opt.check(args)
+    if opt.calibrated:
+        if calib_tokens is None:
+            calib_tokens = calibration_tokens(src_dir)
+        if calib_tokens.dim() != 2 or calib_tokens.numel() == 0:
+            raise ConfigError(f"calib_tokens must be [n_samples, seq_len]; got {list(calib_tokens.shape)}")
+        if int(calib_tokens.min()) < 0 or int(calib_tokens.max()) >= args.vocab_size:
+            raise ConfigError(
+                f"calibration token ids must lie in [0, {args.vocab_size}) (the model's vocabulary)"
+            )
+    else:
+        calib_tokens = None
+    dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    return _stream(SafetensorsReader(spec.files), args, calib_tokens, opt, dev, progress)
+
+
+@torch.no_grad()
+def _stream(
+    reader: SafetensorsReader,
+    args: ModelArgs,
+    tokens: torch.Tensor | None,
+    opt: QuantizeOptions,
+    device: torch.device,
+    progress: bool,
+) -> Iterator[QuantizedLinear | DenseTensor]:
+    used = {EMBED, FINAL_NORM, LM_HEAD}
+    embed = reader.get(EMBED)
+    yield DenseTensor(EMBED, embed)
+    hidden = rope = None
+    if tokens is not None:
+        hidden = torch.nn.functional.embedding(tokens.to(device), embed.to(device, torch.float32))
+        n = tokens.shape[1]
+        rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)  # the model's, once
+    del embed
+    block = _empty_block(args, device)
+    state = block.state_dict()
+    n_layers = args.num_hidden_layers
+    bar = tqdm(range(n_layers), desc=f"quantize ({opt.method})", unit="layer", disable=not progress)
+    for i in bar:
+        start = time.perf_counter()
+        prefix = f"model.layers.{i}."
+        dtypes = {}
+        for name, dst in state.items():
+            src = reader.get(prefix + name)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ModelFileError(
+                    f"{prefix + name}: shape {list(src.shape)}, config implies {list(dst.shape)}"
+                )
+            dst.copy_(src)
+            dtypes[name] = src.dtype
+            used.add(prefix + name)
+        del src
+        results = LAYER_METHODS[opt.method](block, hidden, rope if hidden is not None else None, opt)
+        for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
+            if name.removesuffix(".weight") not in LINEARS:
+                p.copy_(p.to(dtypes[name]))
+        if hidden is not None and i + 1 < n_layers:
+            run_block(block, hidden, rope, opt.batch_size, out=hidden)
+        elapsed = time.perf_counter() - start
+        losses = [r[1] for r in results.values() if r[1] is not None]
+        bar.set_postfix_str(f"layer {i + 1}/{n_layers} · {opt.method} · {elapsed:.1f} s")
+        log.info(
+            "layer %d/%d · %s · %.1f s%s", i + 1, n_layers, opt.method, elapsed,
+            f" · mean GPTQ loss {sum(losses) / len(losses):.4g}" if losses else "",
+        )  # fmt: skip
+        for name, p in state.items():
+            module = name.rsplit(".", 1)[0]
+            if module in LINEARS:
+                if name.endswith(".weight"):
+                    bias = state.get(module + ".bias")
+                    qw, loss = results[module]
+                    b = None if bias is None else bias.to("cpu", dtypes[module + ".bias"], copy=True)
+                    yield QuantizedLinear(prefix + module, _to_cpu(qw), b, loss)
+            else:
+                yield DenseTensor(prefix + name, p.to("cpu", dtypes[name], copy=True))
+    del block, state, hidden
+    yield DenseTensor(FINAL_NORM, reader.get(FINAL_NORM))
+    if LM_HEAD in reader and not args.tie_word_embeddings:
+        yield DenseTensor(LM_HEAD, reader.get(LM_HEAD))
+    unused = sorted(n for n in reader.names() - used if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        log.warning("tensors not part of the quantized model were dropped: %s", ", ".join(unused[:8]))
+
+
+def _empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
+    """A float32 decoder block on `device`, reused for every layer (no random init of weights that get
+    overwritten)."""
+    with torch.device("meta"):
+        block = TransformerBlock(args, 0)
+    return block.to_empty(device=device).float().eval()
+
+
+def _to_cpu(w: QuantizedWeight) -> QuantizedWeight:
+    return replace(
+        w,
+        qweight=w.qweight.cpu(),
+        scales=w.scales.cpu(),
+        zeros=None if w.zeros is None else w.zeros.cpu(),
+        g_idx=None if w.g_idx is None else w.g_idx.cpu(),
+    )

@@ -1,0 +1,188 @@
+"""GPTQ (Frantar et al. 2022): Hessian-aware column-by-column quantization of one linear layer.
+
+Follows the reference algorithm (IST-DASLab/gptq gptq.py, AutoGPTQ auto_gptq/quantization/gptq.py): Hessian
+H = 2/n Σ x xᵀ, dampening, the upper Cholesky factor of H⁻¹, lazy block updates, group parameters fixed when
+the column sweep enters a group, optional act-order (FORMATS §1.6) and static groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from quantserve.errors import ConfigError
+from quantserve.kernels.qweight import QuantizedWeight
+from quantserve.quant.rtn import GroupQuantizer, check_quant_args, to_quantized_weight
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    weight: QuantizedWeight
+    wq: torch.Tensor  # float32 [N, K]: the weights GPTQ settled on, == weight.dequantize().T exactly
+    loss: float  # ‖(W − Ŵ) X‖² per calibration row (summed over outputs), from GPTQ's own error terms
+    damp_percent: float  # the dampening actually used (raised when H was not positive definite)
+
+
+class GPTQ:
+    """Accumulates one linear's input Hessian, then quantizes its weight.
+
+    Usage: `g = GPTQ(K)`; `g.add_batch(x)` for every calibration batch (x [*, K], the linear's input);
+    `g.quantize(w, bits, group_size, sym, act_order=...)` -> QuantizedWeight, or `g.fasterquant(...)` ->
+    GPTQResult (with the settled weights and the loss).
+    """
+
+    def __init__(self, columns: int, device: torch.device | str | None = None):
+        self.columns = columns
+        self.device = device
+        self.H: torch.Tensor | None = None
+        self.nsamples = 0  # rows (tokens) seen: H is their running mean, independent of how they are batched
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1])
+        if x.shape[1] != self.columns:
+            raise ValueError(f"GPTQ expects inputs with {self.columns} features; got {tuple(x.shape)}")
+        if self.H is None:
+            device = self.device if self.device is not None else x.device
+            self.H = torch.zeros(self.columns, self.columns, dtype=torch.float32, device=device)
+        n = x.shape[0]
+        if n == 0:
+            return
+        # Running average (as in the reference), so H = 2/n Σ x xᵀ over everything seen, in fp32.
+        self.H *= self.nsamples / (self.nsamples + n)
+        self.nsamples += n
+        x = x.to(self.H.device, torch.float32) * math.sqrt(2 / self.nsamples)
+        self.H.addmm_(x.t(), x)
+
+    def quantize(
+        self, w: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True, **kw
+    ) -> QuantizedWeight:
+        """Like fasterquant, returning only the QuantizedWeight."""
+        return self.fasterquant(w, bits, group_size, sym, **kw).weight
+
+    def fasterquant(
+        self,
+        w: torch.Tensor,
+        bits: int = 4,
+        group_size: int = 128,
+        sym: bool = True,
+        act_order: bool = False,
+        damp_percent: float = 0.01,
+        block_size: int = 128,
+        static_groups: bool = False,
+        scale_dtype: torch.dtype = torch.float16,
+        name: str = "weight",
+        keep_hessian: bool = False,
+    ) -> GPTQResult:
+        """Quantize w [N, K] (nn.Linear layout) against the accumulated Hessian; frees the Hessian.
+
+        act_order processes columns by decreasing diag(H), forming groups in that order (g_idx records them,
+        FORMATS §1.6); static_groups fixes every group's parameters up front on the natural column order,
+        so that g_idx stays trivial (and is dropped). keep_hessian leaves H in place for another linear that
+        reads the same input (q/k/v, gate/up); otherwise it is freed.
+
+        Raises:
+            ConfigError: bad bits/group_size, K not a multiple of group_size, or no calibration data.
+        """
+        n_rows, k = w.shape
+        g = check_quant_args(k, bits, group_size, name)
+        if self.H is None or self.nsamples == 0:
+            raise ConfigError(f"{name}: GPTQ needs calibration inputs; none reached this layer")
+        H = self.H.clone() if keep_hessian else self.H
+        if not keep_hessian:
+            self.H = None
+        W = w.detach().to(H.device, torch.float32).clone()
+        quantizer = GroupQuantizer(bits, sym, scale_dtype)
+
+        dead = torch.diag(H) == 0  # inputs that were always 0: their weights cannot matter, make them 0
+        H[dead, dead] = 1
+        W[:, dead] = 0
+        n_groups = k // g
+        scales = torch.zeros(n_rows, n_groups, device=W.device)
+        zeros = torch.zeros_like(scales)
+        if static_groups:
+            s, z = quantizer.find_params(W.reshape(n_rows, n_groups, g))
+            scales, zeros = s[..., 0], z[..., 0]
+        perm, order = None, range(k)
+        if act_order:
+            perm = torch.argsort(torch.diag(H), descending=True)
+            W, H = W[:, perm], H[perm][:, perm]
+            order = perm.tolist()  # host copy: no device sync per column
+        Hinv, damp = _inverse_cholesky(H, damp_percent, name)
+        lam = damp * float(torch.diag(H).mean())
+        del H
+
+        Q = torch.zeros_like(W)  # integer values, in processing order
+        Wq = torch.zeros_like(W)
+        loss = torch.zeros((), device=W.device)
+        scale = zero = None
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            W1 = W[:, i1:i2].clone()
+            Err1 = torch.zeros_like(W1)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            for i in range(i2 - i1):
+                col = i1 + i
+                if static_groups:
+                    grp = order[col] // g
+                    scale, zero = scales[:, grp : grp + 1], zeros[:, grp : grp + 1]
+                elif col % g == 0:
+                    # Entering a group: its parameters come from the weights as updated so far, i.e. this
+                    # block's W1 and, past the block, W minus this block's pending (lazy) updates.
+                    cur = W1[:, i : i + g]
+                    if col + g > i2:
+                        rest = W[:, i2 : col + g] - Err1[:, :i] @ Hinv[i1:col, i2 : col + g]
+                        cur = torch.cat([cur, rest], dim=1)
+                    scale, zero = quantizer.find_params(cur)
+                    scales[:, col // g], zeros[:, col // g] = scale[:, 0], zero[:, 0]
+                wcol = W1[:, i : i + 1]
+                q = quantizer.quantize(wcol, scale, zero)
+                wq = quantizer.dequantize(q, scale, zero)
+                Q[:, col : col + 1], Wq[:, col : col + 1] = q, wq
+                err = (wcol - wq) / Hinv1[i, i]
+                loss += err.pow(2).sum()
+                W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
+                Err1[:, i : i + 1] = err
+            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+        g_idx = None
+        if perm is not None:
+            inv = torch.argsort(perm)
+            Q, Wq = Q[:, inv], Wq[:, inv]
+            if not static_groups:
+                g_idx = (torch.arange(k, device=W.device) // g)[inv]
+        w0 = w.detach().to(Wq.device, torch.float32)  # W was updated in place; ΔW is from the original
+        delta = torch.where(dead[None, :], torch.zeros_like(Wq), w0 - Wq)
+        # Σ err² = tr(ΔW (H + λI) ΔWᵀ) exactly (OBS), and tr(ΔW H ΔWᵀ) = 2/n ‖ΔW X‖².
+        per_row = (float(loss) - lam * float(delta.pow(2).sum())) / 2
+        weight = to_quantized_weight(
+            Q, scales, zeros, quantizer, group_size, g_idx
+        ).with_trivial_g_idx_dropped()
+        return GPTQResult(weight, Wq, max(per_row, 0.0), damp)
+
+
+def _inverse_cholesky(H: torch.Tensor, damp_percent: float, name: str) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹; raises the dampening until H is positive
+    definite (as GPTQModel's damp_auto_increment does), up to 100 %."""
+    diag = torch.arange(H.shape[0], device=H.device)
+    mean = torch.diag(H).mean()
+    damp = damp_percent
+    while damp <= 1.0:
+        Hd = H.clone()
+        Hd[diag, diag] += damp * mean
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if int(info) == 0:
+                if damp != damp_percent:
+                    log.warning("%s: Hessian not positive definite; dampening raised to %.4f", name, damp)
+                return U, damp
+        damp = damp + 0.01 if damp >= 0.01 else 0.01
+    raise ConfigError(
+        f"{name}: the calibration Hessian stays singular even with 100 % dampening; calibrate on more or "
+        "more varied text (--calib FILE)"
+    )

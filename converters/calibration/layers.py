@@ -1,0 +1,250 @@
+"""The calibration driver's per-layer step: quantize the seven linears of a decoder block in place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from quantserve.backends.torch.model import ModelArgs, Rope, TransformerBlock
+from quantserve.converters.calibration.awq import (
+    apply_clip,
+    apply_scale,
+    quantize_awq,
+    search_clip,
+    search_scale,
+)
+from quantserve.converters.calibration.gptq import GPTQ
+from quantserve.errors import ConfigError
+from quantserve.kernels.qweight import QuantizedWeight
+from quantserve.quant.rtn import check_quant_args, quantize_rtn
+
+LINEARS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)  # fmt: skip
+# GPTQ's true-sequential order (reference llama.py): each group sees the quantized output of the ones before.
+SEQUENTIAL = (LINEARS[:3], LINEARS[3:4], LINEARS[4:6], LINEARS[6:])
+# Linears that read the same tensor as another share its Hessian / captured input.
+SAME_INPUT = {
+    "self_attn.k_proj": "self_attn.q_proj",
+    "self_attn.v_proj": "self_attn.q_proj",
+    "mlp.up_proj": "mlp.gate_proj",
+}
+# AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax.
+AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+
+LayerResult = dict[str, tuple[QuantizedWeight, float | None]]
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    method: str  # a key of LAYER_METHODS
+    bits: int
+    group_size: int
+    sym: bool
+    act_order: bool
+    damp_percent: float = 0.01
+    static_groups: bool = False
+    true_sequential: bool = True
+    duo_scaling: bool = False
+    scale_dtype: torch.dtype = torch.float16
+    batch_size: int = 8
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method != "rtn"
+
+    def check(self, args: ModelArgs) -> None:
+        """Raises ConfigError for an unknown method or options that cannot apply to this model's shapes."""
+        if self.method not in LAYER_METHODS:
+            raise ConfigError(
+                f"unknown quantization method {self.method!r}; use one of {', '.join(LAYER_METHODS)}"
+            )
+        if self.method == "awq" and self.act_order:
+            raise ConfigError("AWQ has no act-order; drop --act-order or use --method gptq")
+        if not 0 < self.damp_percent <= 1 or self.batch_size < 1:
+            raise ConfigError(
+                f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
+            )
+        for name, k in (
+            ("q/k/v/gate/up_proj", args.hidden_size),
+            ("o_proj", args.num_attention_heads * args.head_dim),
+            ("down_proj", args.intermediate_size),
+        ):
+            check_quant_args(k, self.bits, self.group_size, name)
+
+
+class _Stop(Exception):
+    """Raised by a hook once every input of interest is captured: the rest of the block need not run."""
+
+
+def run_block(
+    block: nn.Module,
+    hidden: torch.Tensor,
+    rope: Rope,
+    batch_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """block(hidden) over [n, T, D] in batches of samples; `out` may be `hidden` (samples are independent)."""
+    out = torch.empty_like(hidden) if out is None else out
+    for s in range(0, hidden.shape[0], batch_size):
+        out[s : s + batch_size] = block(hidden[s : s + batch_size], rope)
+    return out
+
+
+def capture(
+    block: nn.Module,
+    hidden: torch.Tensor,
+    rope: Rope,
+    names: Iterable[str],
+    sink: Callable[[str, torch.Tensor], None],
+    batch_size: int,
+) -> None:
+    """Run the block over the calibration batches, handing each named linear's input to sink(name, x)."""
+    names = set(names)
+    fired: set[str] = set()
+
+    def hook(name: str, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        sink(name, args[0])
+        fired.add(name)
+        if fired == names:
+            raise _Stop
+
+    handles = [block.get_submodule(n).register_forward_hook(partial(hook, n)) for n in names]
+    try:
+        for s in range(0, hidden.shape[0], batch_size):
+            fired.clear()
+            with contextlib.suppress(_Stop):
+                block(hidden[s : s + batch_size], rope)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _set(block: nn.Module, name: str, qw: QuantizedWeight) -> None:
+    block.get_submodule(name).weight.copy_(qw.dequantize().t())
+
+
+def quantize_block_rtn(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
+    out: LayerResult = {}
+    for name in LINEARS:
+        w = block.get_submodule(name).weight
+        out[name] = quantize_rtn(w, opt.bits, opt.group_size, opt.sym, opt.scale_dtype, name), None
+        _set(block, name, out[name][0])
+    return out
+
+
+def quantize_block_gptq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
+    out: LayerResult = {}
+    for group in SEQUENTIAL if opt.true_sequential else (LINEARS,):
+        hooked = sorted({SAME_INPUT.get(n, n) for n in group})
+        gptq = {n: GPTQ(block.get_submodule(n).in_features) for n in hooked}
+        capture(block, hidden, rope, hooked, lambda n, x, gptq=gptq: gptq[n].add_batch(x), opt.batch_size)
+        for name in group:
+            src = SAME_INPUT.get(name, name)
+            last = all(SAME_INPUT.get(m, m) != src for m in group[group.index(name) + 1 :])
+            r = gptq[src].fasterquant(
+                block.get_submodule(name).weight, opt.bits, opt.group_size, opt.sym, opt.act_order,
+                opt.damp_percent, static_groups=opt.static_groups, scale_dtype=opt.scale_dtype, name=name,
+                keep_hessian=not last,
+            )  # fmt: skip
+            out[name] = r.weight, r.loss
+            block.get_submodule(name).weight.copy_(r.wq)
+    return out
+
+
+def fold_awq_scales(
+    block: TransformerBlock,
+    s_qkv: torch.Tensor,
+    s_o: torch.Tensor | None,
+    s_mlp: torch.Tensor,
+    s_down: torch.Tensor,
+) -> None:
+    """Fold AWQ's input scales into the block in place; its function is unchanged (up to rounding).
+
+    input_layernorm / s_qkv with q/k/v · s_qkv; v_proj rows (and bias) / s_o with o_proj · s_o (only when v's
+    outputs are o's inputs one to one, i.e. no GQA, as AutoAWQ); post_attention_layernorm / s_mlp with
+    gate/up · s_mlp; up_proj rows / s_down with down_proj · s_down.
+    """
+    attn, mlp = block.self_attn, block.mlp
+    folds = [
+        (block.input_layernorm, None, [attn.q_proj, attn.k_proj, attn.v_proj], s_qkv),
+        (block.post_attention_layernorm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
+        (mlp.up_proj, None, [mlp.down_proj], s_down),
+    ]
+    if s_o is not None:
+        folds.insert(1, (attn.v_proj, attn.v_proj.bias, [attn.o_proj], s_o))
+    for prev, bias, linears, s in folds:
+        new_prev, new_ws, new_bias = apply_scale(prev.weight, [m.weight for m in linears], s, bias)
+        prev.weight.copy_(new_prev)
+        if bias is not None:
+            bias.copy_(new_bias)
+        for m, w in zip(linears, new_ws, strict=True):
+            m.weight.copy_(w)
+
+
+def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
+    attn, mlp = block.self_attn, block.mlp
+    feats: dict[str, list[torch.Tensor]] = {}
+    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
+    x_qkv, x_o, x_mlp, x_down = (torch.cat(feats.pop(n)) for n in hooked)
+
+    def attn_fn(x: torch.Tensor, ws) -> torch.Tensor:
+        names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+        return functional_call(attn, dict(zip(names, ws, strict=True)), (x, rope))
+
+    def mlp_fn(x: torch.Tensor, ws) -> torch.Tensor:
+        return functional_call(mlp, {"gate_proj.weight": ws[0], "up_proj.weight": ws[1]}, (x,))
+
+    def linear_fn(x: torch.Tensor, ws) -> torch.Tensor:
+        return F.linear(x, ws[0])
+
+    search = partial(
+        search_scale, bits=opt.bits, group_size=opt.group_size, sym=opt.sym, duo_scaling=opt.duo_scaling,
+        scale_dtype=opt.scale_dtype,
+    )  # fmt: skip
+    s_qkv = search(x_qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn_fn)
+    s_o = None
+    if attn.v_proj.out_features == attn.o_proj.in_features:
+        s_o = search(x_o, [attn.o_proj.weight], linear_fn)
+    s_mlp = search(x_mlp, [mlp.gate_proj.weight, mlp.up_proj.weight], mlp_fn)
+    s_down = search(x_down, [mlp.down_proj.weight], linear_fn)
+    fold_awq_scales(block, s_qkv, s_o, s_mlp, s_down)
+
+    # Clipping is searched on the scaled weights against the scaled inputs x / s (AutoAWQ's order).
+    inputs = {n: (x_qkv, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_o, s_o)}
+    inputs |= {
+        "mlp.gate_proj": (x_mlp, s_mlp),
+        "mlp.up_proj": (x_mlp, s_mlp),
+        "mlp.down_proj": (x_down, s_down),
+    }
+    out: LayerResult = {}
+    for name in LINEARS:
+        w = block.get_submodule(name).weight
+        if name not in AWQ_NO_CLIP:
+            x, s = inputs[name]
+            x = x.reshape(-1, x.shape[-1])
+            x = x[:: max(1, x.shape[0] // 512)]  # search_clip's token subsample, taken before dividing
+            x = x if s is None else x / s
+            w = apply_clip(
+                w, search_clip(w, x, opt.bits, opt.group_size, sym=opt.sym, scale_dtype=opt.scale_dtype)
+            )
+        out[name] = quantize_awq(w, opt.bits, opt.group_size, not opt.sym, opt.scale_dtype, name), None
+        _set(block, name, out[name][0])
+    return out
+
+
+# Register, don't elif: a new method is one more entry.
+LAYER_METHODS: dict[str, Callable[..., LayerResult]] = {
+    "rtn": quantize_block_rtn,
+    "gptq": quantize_block_gptq,
+    "awq": quantize_block_awq,
+}

@@ -1,0 +1,159 @@
+"""HF checkpoint → GPTQ/AWQ/compressed-tensors/Marlin directory: quantize a dense model, or repack a quantized one.
+
+The library side of `quantserve convert --quant gptq|awq|rtn` and `--format`: the layer-by-layer quantizer
+(driver.py) or a quantized checkpoint's reader feeds the format writers (hf_quant) one linear at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantserve.converters.hf_quant import WriteOptions, write_quantized
+from quantserve.errors import ConfigError
+from quantserve.formats import detect
+
+log = logging.getLogger("quantserve.convert")
+
+METHODS = ("rtn", "gptq", "awq")
+FORMATS = ("gptq", "awq", "compressed-tensors", "marlin")
+DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq"}
+ACT_ORDERS = ("off", "static", "group")
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    path: Path
+    method: str
+    format: str
+    n_linears: int
+    seconds: float
+    mean_loss: float | None  # GPTQ: mean ‖(W − Ŵ) X‖² per token over the linears
+
+
+def quantize_checkpoint(
+    src: Path,
+    dst: Path,
+    method: str,
+    *,
+    fmt: str | None = None,
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool | None = None,
+    act_order: str | None = None,
+    calib_text: str | None = None,
+    n_samples: int | None = None,
+    seq_len: int | None = None,
+    damp_percent: float = 0.01,
+    force: bool = False,
+    progress: bool = True,
+) -> QuantizeReport:
+    """Quantize the dense checkpoint `src` with `method` and write it to `dst` in `fmt`.
+
+    `sym` None means the method's usual choice: symmetric for RTN and GPTQ (what Marlin serves), asymmetric
+    (zero points) for AWQ. `act_order` (GPTQ): "static" processes columns in order of decreasing activation
+    energy but keeps groups contiguous (a trivial g_idx, so Marlin's fast path applies), "group" forms groups in
+    that order too (a permuted g_idx), "off" is plain GPTQ; None means "static", which measured best on SmolLM2
+    (bench/results/quant-quality.md: plain GPTQ overfits a small calibration set and loses to RTN there).
+
+    Raises:
+        ConfigError: an unknown method or format, a group size that does not divide a layer's K, options a
+            format cannot hold (e.g. AWQ with act-order), or dst exists without force.
+    """
+    from quantserve.converters.calibration.driver import (
+        DEFAULT_N_SAMPLES,
+        DEFAULT_SEQ_LEN,
+        DenseTensor,
+        QuantizedLinear,
+        calibration_tokens,
+        quantize_model,
+    )
+
+    if method not in METHODS:
+        raise ConfigError(
+            f"unknown quantization method '{method}' (known: {', '.join(METHODS)})", param="quant"
+        )
+    fmt = fmt or DEFAULT_FORMAT[method]
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown output format '{fmt}' (known: {', '.join(FORMATS)})", param="format")
+    if sym is None:
+        sym = method != "awq"
+    act_order = act_order or ("static" if method == "gptq" else "off")
+    if act_order not in ACT_ORDERS:
+        raise ConfigError(f"--act-order must be one of {', '.join(ACT_ORDERS)}", param="act_order")
+    if act_order != "off" and method != "gptq":
+        raise ConfigError(f"--act-order applies to gptq, not {method}", param="act_order")
+    if fmt == "awq" and (act_order == "group" or bits != 4):
+        raise ConfigError("the AWQ format holds 4-bit weights without act-order; use --format gptq or marlin")
+    spec = detect(src)
+    t0 = time.perf_counter()
+    calib = None
+    if method != "rtn":
+        calib = calibration_tokens(
+            src, calib_text, n_samples or DEFAULT_N_SAMPLES, seq_len or DEFAULT_SEQ_LEN
+        )
+        log.info("calibration: %d samples of %d tokens", calib.shape[0], calib.shape[1])
+    stream = quantize_model(
+        src, method, bits, group_size, sym, act_order != "off", calib, damp_percent=damp_percent,
+        static_groups=act_order == "static", progress=progress,
+    )  # fmt: skip
+    dense: list[tuple[str, torch.Tensor]] = []
+    losses: list[float] = []
+    count = [0]
+
+    def layers() -> Iterator[tuple[str, object, torch.Tensor | None]]:
+        for item in stream:
+            if isinstance(item, QuantizedLinear):
+                if item.loss is not None:
+                    losses.append(item.loss)
+                count[0] += 1
+                yield item.prefix, item.weight, item.bias
+            elif isinstance(item, DenseTensor):
+                dense.append((item.name, item.tensor))  # written after the linears; small next to them
+
+    def dense_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from dense
+
+    options = WriteOptions(
+        damp_percent=damp_percent if method == "gptq" else None,
+        quantizer=f"quantserve:{method}",
+        force=force,
+        act_order=act_order == "group" if fmt == "compressed-tensors" else None,
+        static_groups=act_order == "static",
+    )
+    out = write_quantized(
+        dst, fmt, layers(), dense_tensors(), spec.config or {}, spec.directory, options=options
+    )
+    return QuantizeReport(
+        out, method, fmt, count[0], time.perf_counter() - t0, sum(losses) / len(losses) if losses else None
+    )
+
+
+def repack_checkpoint(src: Path, dst: Path, fmt: str, *, force: bool = False) -> Path:
+    """Rewrite a GPTQ/AWQ/compressed-tensors/Marlin checkpoint in `fmt`, losslessly (same integers and scales).
+
+    Raises:
+        ConfigError: the source is not quantized, or `fmt` cannot hold its weights (e.g. AWQ from
+            symmetric act-order GPTQ); the writer's message names the layer.
+    """
+    from quantserve.formats.quant_read import open_quantized
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown output format '{fmt}' (known: {', '.join(FORMATS)})", param="format")
+    spec = detect(src)
+    if spec.format not in FORMATS:
+        raise ConfigError(
+            f"{src} is {spec.format}; --format repacks GPTQ/AWQ/compressed-tensors/Marlin checkpoints. To quantize "
+            "a dense one pass --quant gptq|awq|rtn"
+        )
+    with open_quantized(spec) as ck:
+        layers = ((p, ck.read_linear(p), ck.read_bias(p, drop_zero=True)) for p in ck.linear_prefixes())
+        dense = ((n, ck.read_dense(n)) for n in ck.dense_names())
+        return write_quantized(
+            dst, fmt, layers, dense, spec.config or {}, spec.directory, options=WriteOptions(force=force)
+        )

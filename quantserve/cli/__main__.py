@@ -1,0 +1,5 @@
+"""`python -m quantserve.cli`, the same as the `quantserve` script."""
+
+from quantserve.cli import main
+
+main()

@@ -1,0 +1,94 @@
+"""`quantserve models`, `inspect` and `cache`: what is configured, what a model file holds, what is cached."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from quantserve.cli.common import EXIT_USER_ERROR, fail
+from quantserve.errors import QuantserveError
+
+
+@click.command()
+@click.option("--models-file", default=None, help="models.toml to read (default: ./models.toml)")
+def models(models_file: str | None) -> None:
+    """List the models named in models.toml."""
+    from quantserve.registry import find_models_toml, load_registry
+
+    try:
+        reg = load_registry(find_models_toml(models_file))
+    except QuantserveError as exc:
+        fail(exc)
+    if not reg.entries:
+        click.echo("no models.toml found; pass --models-file or create ./models.toml")
+        return
+    click.echo(f"# {reg.path}")
+    width = max(len(n) for n in reg.entries) + 2
+    for name in reg.names():
+        e = reg.entries[name]
+        mark = " (default)" if name == reg.default else ""
+        extras = [f"quant={e.quant}"] if e.quant else []
+        extras += [f"aliases={','.join(e.aliases)}"] if e.aliases else []
+        click.echo(f"{name:<{width}}{e.source}{mark}  {' '.join(extras)}".rstrip())
+
+
+@click.command()
+@click.argument("model")
+@click.option("--models-file", default=None, help="models.toml to read (default: ./models.toml)")
+def inspect(model: str, models_file: str | None) -> None:
+    """Describe MODEL (a path, or a models.toml name): format, architecture, parameters, quantization per
+    tensor class, bits per weight, size, context length, chat template, and which backends can serve it."""
+    from quantserve.formats import render_summary, summarize
+    from quantserve.registry import find_models_toml, load_registry, resolve
+
+    try:
+        path = Path(model)
+        if not path.exists():
+            path = resolve(model, load_registry(find_models_toml(models_file))).path
+        click.echo(render_summary(summarize(path)))
+    except QuantserveError as exc:
+        fail(exc)
+
+
+@click.group()
+def cache() -> None:
+    """The in-situ quantization cache (models converted by `run --quant`)."""
+
+
+@cache.command("ls")
+@click.option(
+    "--cache-dir", default=None, help="cache directory (default: $QUANTSERVE_CACHE or ~/.cache/quantserve)"
+)
+def cache_ls(cache_dir: str | None) -> None:
+    """List cached conversions with their sizes."""
+    from quantserve.insitu.cache import QuantCache
+
+    qc = QuantCache(Path(cache_dir) if cache_dir else None)
+    entries = qc.entries()
+    click.echo(f"# {qc.root}")
+    for e in entries:
+        click.echo(f"{e.key}  {e.size / 1e6:9.1f} MB  {e.quant:<8} {e.source}")
+    click.echo(f"{len(entries)} entries, {sum(e.size for e in entries) / 1e6:.1f} MB")
+
+
+@cache.command("rm")
+@click.argument("keys", nargs=-1)
+@click.option("--all", "remove_all", is_flag=True, help="remove every entry")
+@click.option(
+    "--cache-dir", default=None, help="cache directory (default: $QUANTSERVE_CACHE or ~/.cache/quantserve)"
+)
+def cache_rm(keys: tuple[str, ...], remove_all: bool, cache_dir: str | None) -> None:
+    """Remove cached conversions by KEY (see `cache ls`), or --all."""
+    from quantserve.insitu.cache import QuantCache
+
+    qc = QuantCache(Path(cache_dir) if cache_dir else None)
+    targets = [e.key for e in qc.entries()] if remove_all else list(keys)
+    if not targets:
+        raise click.UsageError("name the keys to remove (see `quantserve cache ls`), or pass --all")
+    for key in targets:
+        if not qc.remove(key):
+            click.echo(f"error: no cache entry {key!r}", err=True)
+            sys.exit(EXIT_USER_ERROR)
+        click.echo(f"removed {key}")

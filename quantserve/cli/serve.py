@@ -1,0 +1,62 @@
+"""`quantserve run`: serve a model; one command-line option per ServerSettings field."""
+
+from __future__ import annotations
+
+import sys
+import types
+import typing
+
+import click
+
+from quantserve.cli.common import fail, setup_logging
+from quantserve.errors import QuantserveError
+
+
+def _settings_options(func):
+    """One --option per ServerSettings field, typed and documented from the field itself."""
+    from quantserve.server.settings import ServerSettings
+
+    for name, field in reversed(list(ServerSettings.model_fields.items())):
+        if name == "model":
+            continue
+        ann = field.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        base = args[0] if isinstance(ann, types.UnionType) and len(args) == 1 else ann
+        opt = "--" + name.replace("_", "-")
+        if base is bool:
+            flag = opt if name.startswith("no_") else f"{opt}/--no-{opt[2:]}"
+            func = click.option(flag, name, is_flag=True, default=None, help=field.description)(func)
+            continue
+        if typing.get_origin(base) is typing.Literal:
+            ptype = click.Choice(typing.get_args(base))
+        else:
+            ptype = {int: int, float: float, str: str}.get(base, str)
+        default_txt = f" [default: {field.default}]" if field.default not in (None, "") else ""
+        help_text = f"{field.description}{default_txt}"
+        func = click.option(opt, name, type=ptype, default=None, help=help_text)(func)
+    return func
+
+
+@click.command()
+@click.argument("model", required=False)
+@_settings_options
+def run(model: str | None, **options) -> None:
+    """Serve MODEL (a models.toml name, a path or a hub id; default: models.toml's default) on an
+    OpenAI-compatible HTTP API.
+
+    \b
+    Examples:
+      quantserve run                       # the default model (SmolLM2-135M-Instruct)
+      quantserve run path/to/model.gguf --ctx-size 4096 --max-num-seqs 4
+      quantserve run smollm2 --port 8080 --api-key secret
+    """
+    from quantserve.server.serve import serve
+    from quantserve.server.settings import ServerSettings
+
+    settings = ServerSettings(model=model, **{k: v for k, v in options.items() if v is not None})
+    setup_logging(settings.log_level)
+    try:
+        code = serve(settings)
+    except QuantserveError as exc:
+        fail(exc)
+    sys.exit(code)

@@ -1,0 +1,128 @@
+"""The architecture registry: per-arch tensor-name maps and config rules, shared by both conversion directions.
+
+An architecture is one `register(ArchSpec(...))` call in its own file in this package (every module here is
+imported on first use, so a new family is one new file); nothing here branches on names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantserve.errors import UnsupportedFormatError
+
+# Outside the layers, identical for every registered arch (FORMATS.md §4.4).
+GLOBAL_TENSORS = (
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+)
+# Inside layer N: "model.layers.N." + HF suffix <-> "blk.N." + GGUF suffix.
+DENSE_LAYER = (
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+)
+QKV_BIAS = (
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
+)
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# (the common config.json fields, the GGUF tensor names) -> this arch's own config.json fields
+ConfigExtra = Callable[[Mapping[str, Any], frozenset[str]], dict[str, Any]]
+
+
+def _no_extra(config: Mapping[str, Any], tensor_names: frozenset[str]) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One decoder-only architecture as llama.cpp and transformers name it.
+
+    gguf_arch: `general.architecture`.
+    hf_model_types: config.json `model_type` values converted to this arch; the first is written back.
+    hf_architecture: config.json `architectures[0]` written by GGUF→HF.
+    permute_qk: llama.cpp's `undo_permute` (FORMATS.md §4.5): q/k rows are interleaved in the GGUF.
+    llama_kv: also write `{arch}.vocab_size` and `rope.dimension_count`, as llama.cpp's LlamaModel does.
+    """
+
+    gguf_arch: str
+    hf_model_types: tuple[str, ...]
+    hf_architecture: str
+    permute_qk: bool
+    layer_tensors: tuple[tuple[str, str], ...]
+    llama_kv: bool = False
+    config_extra: ConfigExtra = field(default=_no_extra)
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """The GGUF tensor name for an HF one, or None for a tensor llama.cpp does not use."""
+        if m := _HF_LAYER.match(hf_name):
+            to = dict(self.layer_tensors).get(m.group(2))
+            return f"blk.{m.group(1)}.{to}" if to else None
+        return dict(GLOBAL_TENSORS).get(hf_name)
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        if m := _GGUF_LAYER.match(gguf_name):
+            back = {g: h for h, g in self.layer_tensors}.get(m.group(2))
+            return f"model.layers.{m.group(1)}.{back}" if back else None
+        return {g: h for h, g in GLOBAL_TENSORS}.get(gguf_name)
+
+
+_ARCHS: dict[str, ArchSpec] = {}
+
+
+def register(spec: ArchSpec) -> ArchSpec:
+    _ARCHS[spec.gguf_arch] = spec
+    return spec
+
+
+def archs() -> dict[str, ArchSpec]:
+    """Every registered architecture, by GGUF name (the package's modules imported the first time)."""
+    if not _ARCHS:
+        for mod in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{mod.name}")
+    return _ARCHS
+
+
+def supported_hf_types() -> list[str]:
+    return sorted(t for s in archs().values() for t in s.hf_model_types)
+
+
+def arch_for_gguf(arch: str) -> ArchSpec:
+    spec = archs().get(arch)
+    if spec is None:
+        raise UnsupportedFormatError(
+            f"GGUF architecture '{arch}' cannot be converted to HF (supported: {', '.join(sorted(archs()))})"
+        )
+    return spec
+
+
+def arch_for_hf(config: Mapping[str, Any]) -> ArchSpec:
+    """The arch for an HF config.json, by `model_type` (then `architectures[0]`).
+
+    Raises:
+        UnsupportedFormatError: listing the supported model types.
+    """
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or [None]
+    for spec in archs().values():
+        if model_type in spec.hf_model_types or architectures[0] == spec.hf_architecture:
+            return spec
+    raise UnsupportedFormatError(
+        f"config.json model_type {model_type!r} (architectures {architectures}) is not supported for conversion to "
+        f"GGUF; supported model types: {', '.join(supported_hf_types())}"
+    )

@@ -1,0 +1,135 @@
+"""Write one GGUF from a dense HF checkpoint with gguf-py's writer, streaming one tensor at a time.
+
+GGUFWriter buffers every tensor unless driven through its incremental API: all tensor infos first (names,
+shapes, types, byte sizes, known from the headers and the type rules), then header, KV and tensor-info
+sections, then `write_tensor_data` per tensor. Peak memory is the largest tensor in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from tqdm import tqdm
+
+from quantserve.errors import UnsupportedFormatError
+from quantserve.gguf.archs import ArchSpec
+from quantserve.gguf.native_quant import ggml_quantize
+from quantserve.gguf.params import add_arch_params, llama3_rope_freqs
+from quantserve.gguf.quant_types import QuantTarget, direct_tensor_type, n_bytes
+from quantserve.gguf.safetensors_source import SafetensorsSource
+from quantserve.gguf.tensor_math import qk_hf_rows_for_gguf
+from quantserve.gguf.tokenizer import GGUFVocab
+
+# HF buffers that are not weights (convert_hf_to_gguf.py skips the same suffixes)
+_IGNORED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
+_NUMPY_QUANTS = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}
+
+
+@dataclass(frozen=True, eq=False)
+class OutTensor:
+    name: str  # GGUF name
+    ne: tuple[int, ...]  # GGUF order (ne[0] = row length)
+    qtype: T
+    load: Callable[[], np.ndarray]  # float32 in numpy order, already permuted for llama.cpp
+
+    @property
+    def n_bytes(self) -> int:
+        return n_bytes(self.qtype, self.ne)
+
+
+def _loader(source: SafetensorsSource, hf_name: str, heads: int | None) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        x = source.read(hf_name)
+        # llama.cpp's LlamaModel.permute: rotate-half rows -> interleaved pairs (FORMATS.md §4.5)
+        return x if heads is None else x[qk_hf_rows_for_gguf(x.shape[0], heads)]
+
+    return load
+
+
+def plan_tensors(
+    spec: ArchSpec, source: SafetensorsSource, hp: dict[str, Any], target: QuantTarget
+) -> list[OutTensor]:
+    """Every output tensor with its GGUF name, shape and type, in source order (rope_freqs first).
+
+    Raises:
+        UnsupportedFormatError: a source tensor this arch's map does not know.
+    """
+    n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads") or hp["num_attention_heads"]
+    names = {spec.gguf_name(n) for n in source.tensors}
+    tied = "output.weight" not in names
+    out: list[OutTensor] = []
+    if (freqs := llama3_rope_freqs(hp)) is not None:
+        out.append(OutTensor("rope_freqs.weight", freqs.shape, T.F32, lambda: freqs))
+    for hf_name, t in source.tensors.items():
+        if hf_name.endswith(_IGNORED):
+            continue
+        name = spec.gguf_name(hf_name)
+        if name is None:
+            raise UnsupportedFormatError(
+                f"{t.path.name}: tensor '{hf_name}' has no llama.cpp '{spec.gguf_arch}' equivalent; this variant "
+                f"of {spec.hf_architecture} cannot be converted"
+            )
+        heads = None
+        if spec.permute_qk and name.endswith((".attn_q.weight", ".attn_q.bias")):
+            heads = n_head
+        elif spec.permute_qk and name.endswith((".attn_k.weight", ".attn_k.bias")):
+            heads = n_kv
+        ne = tuple(reversed(t.shape))
+        out.append(
+            OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), _loader(source, hf_name, heads))
+        )
+    return out
+
+
+def _encode(x: np.ndarray, qtype: T) -> np.ndarray:
+    if qtype in _NUMPY_QUANTS:
+        return gguf.quants.quantize(x, qtype)  # bit-exact with ggml for these types (gguf-py's own tests)
+    return ggml_quantize(x.reshape(-1, x.shape[-1]), qtype).reshape(*x.shape[:-1], -1)
+
+
+def write_gguf(
+    path: Path,
+    spec: ArchSpec,
+    hp: dict[str, Any],
+    tensors: list[OutTensor],
+    vocab: GGUFVocab,
+    target: QuantTarget,
+    model_dir: Path,
+    progress: bool,
+) -> None:
+    """Write the GGUF file at `path` (KV order as convert_hf_to_gguf.py: general.*, arch keys, tokenizer)."""
+    writer = gguf.GGUFWriter(path=None, arch=spec.gguf_arch)
+    for t in tensors:
+        writer.add_tensor_info(
+            t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
+        )
+    writer.add_type(gguf.GGUFType.MODEL)
+    total, shared, expert, count = writer.get_total_parameter_count()
+    meta = gguf.Metadata.load(
+        None, model_dir, None, total
+    )  # model card, config and generation_config heuristics
+    meta.name = meta.name or model_dir.name
+    meta.size_label = meta.size_label or gguf.size_label(total, shared, expert, count)
+    meta.set_gguf_meta_model(writer)
+    add_arch_params(writer, spec, hp, int(target.ftype))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    vocab.add_to(writer)
+    bos_key = gguf.Keys.Tokenizer.ADD_BOS
+    if (
+        spec.llama_kv
+        and hp.get("vocab_size") == 49152
+        and getattr(writer.kv_data[0].get(bos_key), "value", None) is not False
+    ):
+        writer.add_add_bos_token(False)  # LlamaModel.set_vocab's "granite small models" rule (SmolLM too)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in tqdm(tensors, desc=f"write {target.name}", unit="tensor", disable=not progress):
+        writer.write_tensor_data(_encode(t.load(), t.qtype))
+    writer.close()

@@ -1,0 +1,75 @@
+"""In-situ quantization: a dense HF checkpoint becomes a (quantized) GGUF at load, once, kept in the cache
+(cache.py) keyed by the source files and the quant type."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from quantserve.errors import ConfigError
+from quantserve.formats import ModelSpec
+from quantserve.insitu.cache import QuantCache
+
+log = logging.getLogger("quantserve.insitu")
+
+_SIDE_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+_DTYPE_QUANT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+
+
+def ensure_gguf(
+    spec: ModelSpec, quant: str | None, *, cache_dir: str | None, use_cache: bool
+) -> tuple[Path, object]:
+    """Return (GGUF path, keep-alive handle). Converts `spec` (dense safetensors) with `quant`, or losslessly to its
+    own dtype when no quant is given. The handle owns a temporary directory when the cache is off.
+
+    Raises:
+        ConfigError: an unknown quant type (the converter's message lists the known ones).
+    """
+    from quantserve.gguf.hf_to_gguf import hf_to_gguf
+
+    quant = (quant or _DTYPE_QUANT.get(spec.quant.get("dtype", ""), "f16")).lower()
+    directory = spec.path if spec.path.is_dir() else spec.path.parent
+    if not use_cache:
+        tmp = tempfile.TemporaryDirectory(prefix="quantserve-")
+        out = Path(tmp.name) / "model.gguf"
+        _convert(hf_to_gguf, directory, out, quant)
+        return out, tmp
+    cache = QuantCache(Path(cache_dir) if cache_dir else None)
+    sources = list(spec.files) + [directory / n for n in _SIDE_FILES if (directory / n).is_file()]
+    t = time.perf_counter()
+    key = cache.key(sources, quant)
+    hit = cache.lookup(key)
+    if hit is not None:
+        log.info(
+            "in-situ %s: cache hit %s (%.1fs to check the source)", quant, hit.path, time.perf_counter() - t
+        )
+        return hit.path, None
+    out = cache.store_dir(key) / "model.gguf"
+    _convert(hf_to_gguf, directory, out, quant)
+    entry = cache.commit(key, out, directory, quant)
+    log.info(
+        "in-situ %s: cached as %s (%.1f MB); the next start skips the conversion",
+        quant,
+        entry.path,
+        entry.size / 1e6,
+    )
+    return entry.path, None
+
+
+def _convert(hf_to_gguf, src: Path, dst: Path, quant: str) -> None:
+    log.info("in-situ quantization of %s to %s (once; progress below)", src, quant)
+    t = time.perf_counter()
+    try:
+        hf_to_gguf(src, dst, quant, force=True)
+    except ValueError as exc:  # a converter bug surfacing as ValueError is still reported, with the quant
+        raise ConfigError(f"in-situ conversion to {quant} failed: {exc}") from exc
+    log.info("converted in %.1fs", time.perf_counter() - t)
