@@ -7,7 +7,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -16,6 +16,7 @@ from quantserve.chat.formats import ToolFormat
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
+from quantserve.core.settings import EngineSettings
 from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
@@ -30,33 +31,6 @@ from quantserve.registry import ResolvedModel
 from quantserve.structured import GuideCompiler
 
 log = logging.getLogger("quantserve")
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Everything about how a model is run, independent of HTTP. CLI flags and models.toml fill it in."""
-
-    backend: str = "auto"
-    ctx_size: int = 0
-    kv_size: int = 0
-    kv_unified: bool = False
-    prefix_cache: bool = True  # reuse a free slot's KV for a shared prompt prefix (per-sequence KV only)
-    max_num_seqs: int = 4
-    max_queue_len: int = 64
-    n_batch: int = 512
-    threads: int = 0
-    n_gpu_layers: int = 0
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    flash_attn: str = "auto"
-    seed: int | None = None
-    chat_template: str | None = None  # a file overriding the model's template
-    quant: str | None = None  # quantize a dense checkpoint at load (e.g. q4_k_m)
-    use_cache: bool = (
-        True  # keep in-situ conversions in the cache (--no-cache: convert to a temp dir each start)
-    )
-    cache_dir: str | None = None
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -124,22 +98,18 @@ class LLM:
         from quantserve.backends.select import load_backend
         from quantserve.formats import detect
 
-        spec = detect(model.path)
-        backend = settings.backend if settings.backend != "auto" else model.entry.backend
-        loaded = load_backend(backend, spec, settings, model.entry)
-        template_file = settings.chat_template or model.entry.chat_template
+        settings = settings.for_model(model.entry)
+        loaded = load_backend(detect(model.path), settings)
         bos, eos = loaded.bos_token, loaded.eos_token
-        if template_file:
-            template = ChatTemplate.from_file(template_file, bos_token=bos, eos_token=eos)
+        if settings.chat_template:
+            template = ChatTemplate.from_file(settings.chat_template, bos_token=bos, eos_token=eos)
         elif loaded.chat_template:
             template = ChatTemplate(
                 loaded.chat_template, bos_token=bos, eos_token=eos, origin=loaded.template_origin
             )
         else:
             template = None
-        defaults = {**model.entry.sampling, **settings.sampling_defaults}
-        merged = EngineSettings(**{**settings.__dict__, "sampling_defaults": defaults})
-        llm = cls(model.name, loaded.runner, merged, template, loaded.info)
+        llm = cls(model.name, loaded.runner, settings, template, loaded.info)
         llm._keep_alive = loaded.keep_alive  # a temporary conversion lives as long as the model
         return llm
 
@@ -275,8 +245,9 @@ class LLM:
 def load(model: str | None = None, *, models_file: str | None = None, **settings: Any) -> LLM:
     """Load MODEL (a models.toml name, a path or a hub id; default: models.toml's default) for use from Python.
 
-    `settings` are EngineSettings fields, e.g. `load("smollm2", threads=4, ctx_size=2048)`."""
+    `settings` are EngineSettings fields or a backend section's, e.g. `load("smollm2", threads=4, ctx_size=2048,
+    flash_attn="on")`."""
     from quantserve.registry import find_models_toml, load_registry, resolve
 
     resolved = resolve(model, load_registry(find_models_toml(models_file)))
-    return LLM.load(resolved, EngineSettings(**settings))
+    return LLM.load(resolved, EngineSettings.from_options(**settings))

@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 from quantserve.errors import QuantserveError
 from quantserve.formats import read_gguf_info
-from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+from quantserve.backends.llamacpp.model import LlamaCppRunner
+from quantserve.core.settings import EngineSettings
 try:
     info = read_gguf_info(sys.argv[1])
-    LlamaCppRunner(Path(sys.argv[1]), LlamaCppSettings(n_ctx=256, max_num_seqs=1, n_threads=1),
+    LlamaCppRunner(Path(sys.argv[1]), EngineSettings(ctx_size=256, max_num_seqs=1, threads=1),
                    n_ctx_train=info.context_length).close()
 except QuantserveError as exc:
     print("error:", exc.message, file=sys.stderr)

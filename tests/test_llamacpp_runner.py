@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+from quantserve.backends.llamacpp.model import LlamaCppRunner
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.runner import DropKV
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
+from quantserve.core.settings import EngineSettings
 
 PROMPTS = ["The capital of France is", "Once upon a time, a dragon", "def fibonacci(n):", "Water boils at"]
 
 
-@pytest.fixture(scope="module", params=[None, False], ids=["flash-attn-auto", "flash-attn-off"])
+@pytest.fixture(scope="module", params=["auto", "off"], ids=["flash-attn-auto", "flash-attn-off"])
 def runner(smollm2_gguf, request):
-    settings = LlamaCppSettings(n_ctx=256, max_num_seqs=4, n_threads=2, flash_attn=request.param)
+    settings = EngineSettings.from_options(ctx_size=256, max_num_seqs=4, threads=2, flash_attn=request.param)
     r = LlamaCppRunner(smollm2_gguf, settings)
     yield r
     r.close()

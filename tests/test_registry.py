@@ -68,3 +68,48 @@ def test_hub_id_offline_uses_the_cache_only(tmp_path, monkeypatch):
     assert resolve("org/tiny", reg).path == snap
     with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
         resolve("org/absent", reg)
+
+
+def test_every_run_flag_lands_in_one_engine_setting(tmp_path):
+    """ServerSettings -> EngineSettings is by name: a flag that neither the server nor a settings section reads
+    fails here, instead of being dropped."""
+    from quantserve.core.settings import EngineSettings
+    from quantserve.server.settings import SERVER_ONLY, ServerSettings
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[models.m]\nsource = "m.gguf"\n')
+    flags = dict(ctx_size=300, kv_size=900, kv_unified=True, flash_attn="off", cache_type_k="q8_0", threads=3,
+                 n_gpu_layers=-1, no_cache=True, max_num_seqs=5, n_batch=64)  # fmt: skip
+    _, engine = ServerSettings(model="m", models_file=str(toml), **flags).resolve_model()
+    assert (engine.ctx_size, engine.kv_size, engine.threads, engine.max_num_seqs, engine.n_batch) == (
+        300,
+        900,
+        3,
+        5,
+        64,
+    )
+    assert (
+        engine.llamacpp.kv_unified
+        and engine.llamacpp.flash_attn == "off"
+        and engine.llamacpp.n_gpu_layers == -1
+    )
+    assert engine.llamacpp.cache_type_k == "q8_0" and engine.use_cache is False
+    assert set(ServerSettings.model_fields) - SERVER_ONLY <= set(EngineSettings.__dataclass_fields__) | {
+        f for section in (engine.llamacpp, engine.torch) for f in section.__dataclass_fields__
+    }
+    with pytest.raises(TypeError, match="unknown engine setting 'ctx'"):
+        EngineSettings.from_options(ctx=1)
+
+
+def test_models_toml_defaults_fill_only_what_was_not_given(tmp_path):
+    from quantserve.core.settings import EngineSettings
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    reg = _write(tmp_path, '[models.m]\nsource = "m.gguf"\nbackend = "torch"\nquant = "int4"\nctx_size = 256\n'
+                           '[models.m.sampling]\ntemperature = 0.3\ntop_k = 5\n')  # fmt: skip
+    entry = resolve("m", reg).entry
+    s = EngineSettings(ctx_size=512, sampling_defaults={"top_k": 9}).for_model(entry)
+    assert (s.backend, s.quant, s.ctx_size) == ("torch", "int4", 512)
+    assert s.sampling_defaults == {"temperature": 0.3, "top_k": 9}
+    assert EngineSettings(backend="llamacpp", quant="q8_0").for_model(entry).backend == "llamacpp"

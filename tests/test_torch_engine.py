@@ -8,12 +8,13 @@ import asyncio
 import pytest
 import torch
 
-from quantserve.backends.torch.runner import TorchRunner, TorchSettings
+from quantserve.backends.torch.runner import TorchRunner
 from quantserve.backends.torch.tokenizer import HFTokenizer
 from quantserve.backends.torch.weights import load_model
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
+from quantserve.core.settings import EngineSettings
 from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
 from quantserve.engine.scheduler import SchedulerConfig
@@ -40,7 +41,7 @@ def make_engine(
 ):
     model, tok = model_and_tokenizer
     runner = TorchRunner(
-        model, tok, TorchSettings(n_ctx=min(kv_tokens, n_ctx), max_num_seqs=max_num_seqs, num_kv_tokens=kv_tokens),
+        model, tok, EngineSettings(ctx_size=min(kv_tokens, n_ctx), max_num_seqs=max_num_seqs, kv_size=kv_tokens),
         torch.device("cpu"),
     )  # fmt: skip
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=n_batch, max_queue_len=64)

@@ -9,12 +9,13 @@ import importlib
 import logging
 
 from quantserve.core.runner import LoadedModel
+from quantserve.core.settings import EngineSettings
 from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
 
 log = logging.getLogger("quantserve")
 
-# name -> "module:function" taking (spec, EngineSettings, models.toml entry) and returning a LoadedModel.
+# name -> "module:function" taking (spec, EngineSettings) and returning a LoadedModel.
 # Imported on use: the llama.cpp path never pays for importing torch, and vice versa.
 BACKENDS = {
     "llamacpp": "quantserve.backends.llamacpp.loader:load_llamacpp",
@@ -66,8 +67,8 @@ def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) ->
     )
 
 
-def load_backend(requested: str, spec: ModelSpec, settings, entry) -> LoadedModel:
-    name, reason = choose_backend(spec, requested, settings.quant or entry.quant or None)
+def load_backend(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
+    name, reason = choose_backend(spec, settings.backend, settings.quant)
     log.info("backend %s for %s: %s", name, spec.path, reason)
     module, func = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), func)(spec, settings, entry)
+    return getattr(importlib.import_module(module), func)(spec, settings)

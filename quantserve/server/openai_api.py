@@ -217,9 +217,7 @@ def _prompts(llm: LLM, prompt) -> list[list[int]]:
         out.append(llm.tokenize_prompt(p, chat=False) if isinstance(p, str) else list(p))
     for toks in out:
         if any(not 0 <= t < llm.n_vocab for t in toks):
-            raise InvalidRequestError(
-                f"'prompt' has token ids outside 0..{llm.n_vocab - 1}", param="prompt"
-            )
+            raise InvalidRequestError(f"'prompt' has token ids outside 0..{llm.n_vocab - 1}", param="prompt")
     return out
 
 

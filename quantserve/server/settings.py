@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from quantserve.llm import EngineSettings
+from quantserve.core.settings import EngineSettings
 from quantserve.registry import ResolvedModel, find_models_toml, load_registry, resolve
 
 
@@ -69,26 +69,13 @@ class ServerSettings(BaseModel):
     )
 
     def resolve_model(self) -> tuple[ResolvedModel, EngineSettings]:
-        registry = load_registry(find_models_toml(self.models_file))
-        resolved = resolve(self.model, registry)
-        engine = EngineSettings(
-            backend=self.backend,
-            ctx_size=self.ctx_size or resolved.entry.ctx_size,
-            kv_size=self.kv_size,
-            kv_unified=self.kv_unified,
-            prefix_cache=self.prefix_cache,
-            max_num_seqs=self.max_num_seqs,
-            max_queue_len=self.max_queue_len,
-            n_batch=self.n_batch,
-            threads=self.threads,
-            n_gpu_layers=self.n_gpu_layers,
-            cache_type_k=self.cache_type_k,
-            cache_type_v=self.cache_type_v,
-            flash_attn=self.flash_attn,
-            seed=self.seed,
-            chat_template=self.chat_template,
-            quant=self.quant or resolved.entry.quant or None,
-            use_cache=not self.no_cache,
-            cache_dir=self.cache_dir,
-        )
-        return resolved, engine
+        resolved = resolve(self.model, load_registry(find_models_toml(self.models_file)))
+        options = self.model_dump(exclude=SERVER_ONLY)
+        return resolved, EngineSettings.from_options(**options, use_cache=not self.no_cache)
+
+
+# Fields the HTTP server reads itself; every other field is an engine setting, passed on by name.
+SERVER_ONLY = {
+    "model", "models_file", "host", "port", "api_key", "no_cache", "responses_store_size", "max_body_bytes",
+    "graceful_timeout", "log_level",
+}  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from quantserve.core.runner import LoadedModel, ModelInfo
+from quantserve.core.settings import EngineSettings
 from quantserve.errors import BackendUnavailableError, ConfigError
 from quantserve.formats import ModelSpec, detect, read_gguf_info
 
@@ -27,9 +28,8 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
     return detect(dense), tmp
 
 
-def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
-    """`settings` is quantserve.llm.EngineSettings, `entry` the models.toml entry (defaults)."""
-    quant = settings.quant or entry.quant or None
+def load_llamacpp(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
+    quant = settings.quant
     keep_alive = None
     if spec.format in QUANTIZED_HF:
         spec, keep_alive = _dequantized(spec)
@@ -60,7 +60,7 @@ def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
             "checkpoints. Requantize offline with `quantserve convert`, or drop --quant",
             param="quant",
         )
-    from quantserve.backends.llamacpp.model import LlamaCppRunner, LlamaCppSettings
+    from quantserve.backends.llamacpp.model import LlamaCppRunner
 
     gguf_path = spec.files[0]
     info = read_gguf_info(gguf_path)
@@ -72,22 +72,7 @@ def load_llamacpp(spec: ModelSpec, settings, entry) -> LoadedModel:
         info.architecture,
         spec.quant.get("file_type", "?"),
     )
-    runner = LlamaCppRunner(
-        gguf_path,
-        LlamaCppSettings(
-            n_ctx=settings.ctx_size or entry.ctx_size,
-            kv_unified=settings.kv_unified,
-            n_kv_cells=settings.kv_size,
-            max_num_seqs=settings.max_num_seqs,
-            n_batch=settings.n_batch,
-            n_threads=settings.threads,
-            n_gpu_layers=settings.n_gpu_layers,
-            cache_type_k=settings.cache_type_k,
-            cache_type_v=settings.cache_type_v,
-            flash_attn={"auto": None, "on": True, "off": False}[settings.flash_attn],
-        ),
-        n_ctx_train=info.context_length,
-    )
+    runner = LlamaCppRunner(gguf_path, settings, n_ctx_train=info.context_length)
     return LoadedModel(
         runner=runner,
         info=ModelInfo(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as lc
@@ -14,27 +13,15 @@ import numpy as np
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.core.runner import DropKV, KVCacheFull, KVSpec
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
+from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, ModelFileError
 from quantserve.structured import Vocabulary
 
 log = logging.getLogger("quantserve.llamacpp")
 
+MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-
-
-@dataclass(frozen=True)
-class LlamaCppSettings:
-    n_ctx: int = 0  # longest sequence; 0 = the model's training context, capped at 8192
-    kv_unified: bool = False  # one KV pool shared by all sequences, instead of n_ctx cells each
-    n_kv_cells: int = 0  # size of the unified pool; 0 = 2 x n_ctx
-    max_num_seqs: int = 8
-    n_batch: int = 512
-    n_threads: int = 0  # 0 = physical cores as llama.cpp counts them
-    n_gpu_layers: int = 0  # -1 = all (needs a Metal/CUDA build)
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    flash_attn: bool | None = None  # None: llama.cpp's auto
-    use_mmap: bool = True
 
 
 # ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT. llama.cpp is chatty at INFO, so that becomes DEBUG here.
@@ -64,16 +51,17 @@ class LlamaCppRunner:
 
     Not thread-safe: the engine thread is its only caller (embeddings use a context of their own)."""
 
-    def __init__(self, path: Path, settings: LlamaCppSettings, n_ctx_train: int | None = None):
+    def __init__(self, path: Path, settings: EngineSettings, n_ctx_train: int | None = None):
         init_backend()
         self.path = Path(path)
         self.settings = settings
-        for name, value in (("cache_type_k", settings.cache_type_k), ("cache_type_v", settings.cache_type_v)):
+        own = settings.llamacpp
+        for name, value in (("cache_type_k", own.cache_type_k), ("cache_type_v", own.cache_type_v)):
             if value not in KV_CACHE_TYPES:
                 raise ConfigError(f"{name} {value!r} is not one of {', '.join(KV_CACHE_TYPES)}", param=name)
         mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 0x7FFFFFFF
-        mparams.use_mmap = settings.use_mmap
+        mparams.n_gpu_layers = own.n_gpu_layers if own.n_gpu_layers >= 0 else 0x7FFFFFFF
+        mparams.use_mmap = own.use_mmap
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelFileError(
@@ -84,15 +72,15 @@ class LlamaCppRunner:
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         train = n_ctx_train or lc.llama_model_n_ctx_train(self.model)
-        self.n_ctx = settings.n_ctx or min(train, 8192)
+        self.n_ctx = settings.ctx_size or min(train, MAX_DEFAULT_CTX)
         # Per-sequence KV (llama.cpp "streams") keeps every sequence's cells contiguous and its own, so a greedy
         # request gives the same tokens alone or batched (measured: identical; with the unified pool, summation
         # order over interleaved cells makes tokens drift after a few dozen). It costs n_ctx cells per sequence.
-        if settings.kv_unified:
-            n_cells = max(settings.n_kv_cells or 2 * self.n_ctx, self.n_ctx)
+        if own.kv_unified:
+            n_cells = max(settings.kv_size or 2 * self.n_ctx, self.n_ctx)
         else:
             n_cells = self.n_ctx * settings.max_num_seqs
-        threads = settings.n_threads or max(1, (os.cpu_count() or 2))
+        threads = settings.threads or max(1, (os.cpu_count() or 2))
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_cells
         cparams.n_batch = settings.n_batch
@@ -100,14 +88,17 @@ class LlamaCppRunner:
         cparams.n_seq_max = settings.max_num_seqs
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.kv_unified = settings.kv_unified
-        cparams.type_k = KV_CACHE_TYPES[settings.cache_type_k]
-        cparams.type_v = KV_CACHE_TYPES[settings.cache_type_v]
+        cparams.kv_unified = own.kv_unified
+        cparams.type_k = KV_CACHE_TYPES[own.cache_type_k]
+        cparams.type_v = KV_CACHE_TYPES[own.cache_type_v]
         cparams.no_perf = True
         # With per-sequence KV, flash attention on or off gives batched tokens identical to unbatched ones
         # (measured); with the unified pool both drift. So llama.cpp's own choice (auto) is kept by default.
-        flash = settings.flash_attn
-        cparams.flash_attn_type = -1 if flash is None else int(flash)
+        if own.flash_attn not in FLASH_ATTN:
+            raise ConfigError(
+                f"flash_attn {own.flash_attn!r} is not one of auto, on, off", param="flash_attn"
+            )
+        cparams.flash_attn_type = FLASH_ATTN[own.flash_attn]
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -123,17 +114,17 @@ class LlamaCppRunner:
             "slots",
             cells=self.n_kv_cells,
             num_slots=settings.max_num_seqs,
-            shared=settings.kv_unified,
-            pack_slots=not settings.kv_unified,
+            shared=own.kv_unified,
+            pack_slots=not own.kv_unified,
         )
         log.info(
             "KV cache: %d cells (%s), %s, flash attention %s",
             self.n_kv_cells,
             "one pool shared by all sequences"
-            if settings.kv_unified
+            if own.kv_unified
             else f"{settings.max_num_seqs} sequences x {self.n_ctx}",
-            f"K {settings.cache_type_k} / V {settings.cache_type_v}",
-            {None: "auto", True: "on", False: "off"}[flash],
+            f"K {own.cache_type_k} / V {own.cache_type_v}",
+            own.flash_attn,
         )
         self.n_threads = threads
         self.memory = lc.llama_get_memory(self.ctx)

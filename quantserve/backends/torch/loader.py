@@ -7,14 +7,11 @@ import logging
 import torch
 
 from quantserve.core.runner import LoadedModel, ModelInfo
+from quantserve.core.settings import EngineSettings
 from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
 
 log = logging.getLogger("quantserve.torch")
-
-MAX_DEFAULT_CTX = (
-    8192  # like the llama.cpp backend: a model's full training context is rarely what a user wants
-)
 
 
 def pick_device_dtype(config: dict) -> tuple[torch.device, torch.dtype]:
@@ -26,15 +23,14 @@ def pick_device_dtype(config: dict) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def load_torch(spec: ModelSpec, settings, entry) -> LoadedModel:
-    """`settings` is quantserve.llm.EngineSettings, `entry` the models.toml entry (defaults)."""
+def load_torch(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
     if spec.format == "gguf":
         raise BackendUnavailableError(
             f"{spec.path} is GGUF; the torch backend reads HF checkpoints (dense, GPTQ, AWQ, compressed-tensors, "
             "Marlin). Serve it with --backend llamacpp, or convert it with `quantserve convert --src "
             f"{spec.path} --dst DIR`"
         )
-    from quantserve.backends.torch.runner import TorchRunner, TorchSettings
+    from quantserve.backends.torch.runner import TorchRunner
     from quantserve.backends.torch.tokenizer import HFTokenizer
     from quantserve.backends.torch.weights import load_model
 
@@ -42,14 +38,8 @@ def load_torch(spec: ModelSpec, settings, entry) -> LoadedModel:
         torch.set_num_threads(settings.threads)
     device, dtype = pick_device_dtype(spec.config or {})
     tokenizer = HFTokenizer.from_dir(spec.directory)
-    model = load_model(spec, dtype=dtype, device=device, quant=settings.quant or entry.quant or None)
-    n_ctx = settings.ctx_size or entry.ctx_size or min(model.args.max_position_embeddings, MAX_DEFAULT_CTX)
-    runner = TorchRunner(
-        model,
-        tokenizer,
-        TorchSettings(n_ctx=n_ctx, max_num_seqs=settings.max_num_seqs, num_kv_tokens=settings.kv_size),
-        device,
-    )
+    model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
+    runner = TorchRunner(model, tokenizer, settings, device)
     n_params = sum(p.numel() for p in model.parameters())
     return LoadedModel(
         runner=runner,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -13,21 +12,14 @@ from quantserve.backends.torch.step import prepare_step
 from quantserve.core.runner import DropKV, KVSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence
+from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError
 from quantserve.structured import Vocabulary
 
 log = logging.getLogger("quantserve.torch")
 
 
-@dataclass(frozen=True)
-class TorchSettings:
-    n_ctx: int  # longest sequence (prompt + output)
-    max_num_seqs: int
-    block_size: int = 16
-    num_kv_tokens: int = 0  # KV capacity in tokens; 0 = from free GPU memory, or n_ctx x max_num_seqs on CPU
-    gpu_memory_utilization: float = (
-        0.90  # share of the GPU's memory the model, KV cache and activations may use
-    )
+MAX_DEFAULT_CTX = 8192  # as on the llama.cpp backend
 
 
 def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
@@ -42,47 +34,48 @@ def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
 
 
 def size_kv_cache(
-    model: Transformer, settings: TorchSettings, dtype: torch.dtype, device: torch.device
+    model: Transformer, settings: EngineSettings, n_ctx: int, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Number of KV blocks: the setting, else what fits in free GPU memory (vLLM's gpu_memory_utilization), else
+    """Number of KV blocks: --kv-size, else what fits in free GPU memory (vLLM's gpu_memory_utilization), else
     room for every sequence at full context on CPU."""
-    per_block = kv_bytes_per_token(model, dtype) * settings.block_size
-    if settings.num_kv_tokens:
-        return -(-settings.num_kv_tokens // settings.block_size)
+    own = settings.torch
+    per_block = kv_bytes_per_token(model, dtype) * own.block_size
+    if settings.kv_size:
+        return -(-settings.kv_size // own.block_size)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - settings.gpu_memory_utilization) * total - 512 * 2**20  # activations
+        budget = free - (1 - own.gpu_memory_utilization) * total - 512 * 2**20  # activations
         blocks = int(budget // per_block)
-        if blocks < -(-settings.n_ctx // settings.block_size):
+        if blocks < -(-n_ctx // own.block_size):
             raise ConfigError(
                 f"only {max(budget, 0) / 2**30:.1f} GiB of GPU memory is left for the KV cache, less than one "
-                f"{settings.n_ctx}-token sequence needs; lower --ctx-size or use a smaller model",
+                f"{n_ctx}-token sequence needs; lower --ctx-size or use a smaller model",
                 param="kv_size",
             )
         return blocks
-    return -(-settings.n_ctx * settings.max_num_seqs // settings.block_size)
+    return -(-n_ctx * settings.max_num_seqs // own.block_size)
 
 
 class TorchRunner:
     """Not thread-safe: the engine thread is its only caller. The engine's ledger decides which cache blocks each
     sequence uses (`seq.block_table`); the runner holds the cache's memory and writes and reads where they say."""
 
-    def __init__(self, model: Transformer, tokenizer, settings: TorchSettings, device: torch.device):
+    def __init__(self, model: Transformer, tokenizer, settings: EngineSettings, device: torch.device):
         self.model = model
         self.tokenizer = tokenizer
         self.settings = settings
         self.device = device
-        self.n_ctx = settings.n_ctx
+        self.n_ctx = settings.ctx_size or min(model.args.max_position_embeddings, MAX_DEFAULT_CTX)
         self.n_vocab = model.args.vocab_size
         dtype = model.model.embed_tokens.weight.dtype
-        num_blocks = size_kv_cache(model, settings, dtype, device)
-        self.block_size = settings.block_size
+        num_blocks = size_kv_cache(model, settings, self.n_ctx, dtype, device)
+        self.block_size = settings.torch.block_size
         self.n_kv_cells = num_blocks * self.block_size
         self.kv_spec = KVSpec("paged", cells=self.n_kv_cells, block_size=self.block_size)
-        if self.n_kv_cells < settings.n_ctx:
+        if self.n_kv_cells < self.n_ctx:
             raise ConfigError(
-                f"the KV cache holds {self.n_kv_cells} tokens, fewer than one {settings.n_ctx}-token sequence "
+                f"the KV cache holds {self.n_kv_cells} tokens, fewer than one {self.n_ctx}-token sequence "
                 "needs; raise --kv-size or lower --ctx-size",
                 param="kv_size",
             )

@@ -1,0 +1,95 @@
+"""EngineSettings: how a model is run, built once (from CLI flags, models.toml, or `quantserve.load` keywords)
+and handed down unchanged: the engine reads the common fields, each backend its own section as well."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class LlamaCppSettings:
+    """What only the llama.cpp backend reads."""
+
+    kv_unified: bool = False  # one KV pool of kv_size cells shared by all sequences, not ctx_size cells each
+    n_gpu_layers: int = 0  # -1 = all (needs a Metal/CUDA build)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"  # auto (llama.cpp decides), on, off
+    use_mmap: bool = True
+
+
+@dataclass(frozen=True)
+class TorchSettings:
+    """What only the torch backend reads."""
+
+    block_size: int = 16  # tokens per KV block (the unit of paging and of prefix caching)
+    gpu_memory_utilization: float = (
+        0.90  # share of the GPU's memory the model, KV cache and activations may use
+    )
+
+
+class ModelDefaults(Protocol):
+    """What a models.toml entry may set for its model (quantserve.registry.ModelEntry)."""
+
+    backend: str
+    quant: str
+    ctx_size: int
+    chat_template: str | None
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    backend: str = "auto"  # auto, llamacpp or torch
+    ctx_size: int = 0  # longest sequence, prompt + output; 0 = the model's, at most 8192
+    kv_size: int = 0  # KV capacity in tokens; 0 = per backend (see the runners)
+    prefix_cache: bool = True  # reuse the KV of a shared prompt prefix
+    max_num_seqs: int = 4
+    max_queue_len: int = 64
+    n_batch: int = 512  # tokens per engine step
+    threads: int = 0  # CPU threads; 0 = all cores
+    seed: int | None = None  # for requests that give none
+    chat_template: str | None = None  # a file overriding the model's template
+    quant: str | None = None  # quantize a dense checkpoint at load (q4_k_m, int4, ...)
+    use_cache: bool = True  # keep in-situ conversions in the cache, not in a temporary directory
+    cache_dir: str | None = None
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    llamacpp: LlamaCppSettings = field(default_factory=LlamaCppSettings)
+    torch: TorchSettings = field(default_factory=TorchSettings)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineSettings:
+        """Flat options, as the CLI and `quantserve.load` take them, each put where its name belongs: a field of
+        EngineSettings itself or of one backend's section.
+
+        Raises:
+            TypeError: a name no section has.
+        """
+        sections = {"llamacpp": LlamaCppSettings, "torch": TorchSettings}
+        own = {f.name for f in fields(cls)}
+        top: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, value in options.items():
+            where = next((s for s, c in sections.items() if key in {f.name for f in fields(c)}), None)
+            if where is not None:
+                nested[where][key] = value
+            elif key in own:
+                top[key] = value
+            else:
+                raise TypeError(f"unknown engine setting {key!r}")
+        for name, section in sections.items():
+            if nested[name]:
+                top[name] = replace(top.get(name, section()), **nested[name])
+        return cls(**top)
+
+    def for_model(self, entry: ModelDefaults) -> EngineSettings:
+        """These settings with the model's own defaults from models.toml filled in where none was given."""
+        return replace(
+            self,
+            backend=self.backend if self.backend != "auto" else entry.backend,
+            ctx_size=self.ctx_size or entry.ctx_size,
+            quant=self.quant or entry.quant or None,
+            chat_template=self.chat_template or entry.chat_template,
+            sampling_defaults={**entry.sampling, **self.sampling_defaults},
+        )
