@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+from .grouping import SUPPORTED_BITS, n_groups
+
+__all__ = ["SUPPORTED_BITS", "QuantLayoutError", "QuantizedWeight", "n_groups"]
 
 
 class QuantLayoutError(ValueError):
@@ -51,7 +53,7 @@ class QuantizedWeight:
 
     @property
     def n_groups(self) -> int:
-        return -(-self.K // self.group)
+        return n_groups(self.K, self.group_size)
 
     @property
     def symmetric(self) -> bool:

@@ -17,6 +17,7 @@ from quantserve.converters.hf_quant import WriteOptions, write_quantized
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import detect, read_safetensors_header
 from quantserve.formats.quant_read import open_quantized
+from quantserve.formats.schemes import schemes
 from quantserve.formats.spec import ModelSpec
 from quantserve.kernels.qweight import QuantizedWeight
 
@@ -248,16 +249,15 @@ def test_reader_reads_what_detect_rejects(tmp_path, fmt, kw, gap):
     d = write(tmp_path, fmt, weights)
     config = json.loads((d / "config.json").read_text())
     qc = config["quantization_config"]
-    bits = qc.get("bits") or qc["config_groups"]["group_0"]["weights"]["num_bits"]
-    quant = {"bits": bits, "group_size": qc.get("group_size", 32)}
-    spec = ModelSpec(fmt, d, (d / "model.safetensors",), config, quant, "llama")
+    scheme = schemes()[fmt].parse(qc, "test")  # the config alone, without detect()'s check of the tensors
+    spec = ModelSpec(fmt, d, (d / "model.safetensors",), config, scheme.describe(), "llama", scheme)
     with open_quantized(spec) as ck:
         for p, w in weights.items():
             assert_same(ck.read_linear(p), w)
     if fmt == "compressed-tensors":
         np.testing.assert_array_equal(  # and 3-bit word packing is 10 values per word, 2 bits unused (§5.2)
             ck.read_linear(Q).dequantize().numpy(),
-            ref_ct_word(raw(d), Q, bits).astype(np.float32),
+            ref_ct_word(raw(d), Q, scheme.bits).astype(np.float32),
         )
 
 
@@ -654,3 +654,23 @@ def test_dense_checkpoint_opens_with_no_quantized_linears(tmp_path):
         assert ck.read_dense("model.norm.weight").dtype == torch.float32
         with pytest.raises(KeyError):
             ck.read_linear(Q)
+
+
+def test_every_scheme_has_one_writer_and_each_states_what_it_can_be_repacked_to(tmp_path):
+    """The scheme registry (reading) and the writer registry (converters.hf_quant) name the same formats, and
+    a scheme's repack targets are what the writers then accept."""
+    from quantserve.converters.calibration.quantize import repack_checkpoint
+    from quantserve.converters.hf_quant import writers
+
+    assert set(writers()) == set(schemes())
+    sym8 = detect(write(tmp_path / "a", "gptq", {Q: qw(bits=8, group=32)})).scheme
+    assert set(sym8.repack_targets()) == {"compressed-tensors", "gptq", "marlin"}
+    act4 = detect(write(tmp_path / "b", "gptq", {Q: qw(act=True)})).scheme
+    assert act4.desc_act and "awq" not in act4.repack_targets() and "marlin" in act4.repack_targets()
+    with pytest.raises(
+        ConfigError, match=r"cannot be written as awq: AWQ is 4-bit only, these weights are 8-bit"
+    ):
+        repack_checkpoint(tmp_path / "a" / "out-gptq", tmp_path / "out", "awq")
+    assert not (tmp_path / "out").exists()
+    repack_checkpoint(tmp_path / "a" / "out-gptq", tmp_path / "out", "marlin")
+    assert detect(tmp_path / "out").scheme.describe() == {"bits": 8, "group_size": 32}

@@ -17,11 +17,11 @@ import torch
 from quantserve.converters.hf_quant import WriteOptions, write_quantized
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
+from quantserve.formats.schemes import QuantScheme, schemes
 
 log = logging.getLogger("quantserve.convert")
 
 METHODS = ("rtn", "gptq", "awq")
-FORMATS = ("gptq", "awq", "compressed-tensors", "marlin")
 DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq"}
 ACT_ORDERS = ("off", "static", "group")
 
@@ -79,8 +79,7 @@ def quantize_checkpoint(
             f"unknown quantization method '{method}' (known: {', '.join(METHODS)})", param="quant"
         )
     fmt = fmt or DEFAULT_FORMAT[method]
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown output format '{fmt}' (known: {', '.join(FORMATS)})", param="format")
+    target = _target(fmt)
     if sym is None:
         sym = method != "awq"
     act_order = act_order or ("static" if method == "gptq" else "off")
@@ -88,8 +87,8 @@ def quantize_checkpoint(
         raise ConfigError(f"--act-order must be one of {', '.join(ACT_ORDERS)}", param="act_order")
     if act_order != "off" and method != "gptq":
         raise ConfigError(f"--act-order applies to gptq, not {method}", param="act_order")
-    if fmt == "awq" and (act_order == "group" or bits != 4):
-        raise ConfigError("the AWQ format holds 4-bit weights without act-order; use --format gptq or marlin")
+    if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
+        raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
     t0 = time.perf_counter()
     calib = None
@@ -134,6 +133,15 @@ def quantize_checkpoint(
     )
 
 
+def _target(fmt: str) -> type[QuantScheme]:
+    known = schemes()
+    if fmt not in known:
+        raise ConfigError(
+            f"unknown output format '{fmt}' (known: {', '.join(sorted(known))})", param="format"
+        )
+    return known[fmt]
+
+
 def repack_checkpoint(src: Path, dst: Path, fmt: str, *, force: bool = False) -> Path:
     """Rewrite a GPTQ/AWQ/compressed-tensors/Marlin checkpoint in `fmt`, losslessly (same integers and scales).
 
@@ -143,13 +151,17 @@ def repack_checkpoint(src: Path, dst: Path, fmt: str, *, force: bool = False) ->
     """
     from quantserve.formats.quant_read import open_quantized
 
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown output format '{fmt}' (known: {', '.join(FORMATS)})", param="format")
+    target = _target(fmt)
     spec = detect(src)
-    if spec.format not in FORMATS:
+    if spec.scheme is None:
         raise ConfigError(
-            f"{src} is {spec.format}; --format repacks GPTQ/AWQ/compressed-tensors/Marlin checkpoints. To quantize "
-            "a dense one pass --quant gptq|awq|rtn"
+            f"{src} is {spec.format}; --format repacks quantized HF checkpoints (GPTQ, AWQ, compressed-tensors, "
+            "Marlin). To quantize a dense one pass --quant gptq|awq|rtn"
+        )
+    if fmt not in spec.scheme.repack_targets():
+        why = target.cannot_hold(*spec.scheme.weights())
+        raise ConfigError(
+            f"{src} ({spec.scheme.summary()}) cannot be written as {fmt}: {why}", param="format"
         )
     with open_quantized(spec) as ck:
         layers = ((p, ck.read_linear(p), ck.read_bias(p, drop_zero=True)) for p in ck.linear_prefixes())

@@ -15,10 +15,9 @@ import torch
 from quantserve.converters.hf_quant.gptq import dense_rules
 from quantserve.converters.hf_quant.writer import LayerEncoder, register_writer
 from quantserve.errors import ConfigError
+from quantserve.formats.schemes.marlin import MARLIN_GROUPS
 from quantserve.kernels.marlin import to_marlin
 from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
-
-MARLIN_GROUPS = (-1, 32, 64, 128)  # vLLM's marlin_utils GPTQ_MARLIN_SUPPORTED_GROUP_SIZES
 
 
 @register_writer("marlin")

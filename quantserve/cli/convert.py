@@ -8,6 +8,7 @@ import click
 
 from quantserve.cli.common import fail
 from quantserve.errors import ConfigError, QuantserveError, UnsupportedFormatError
+from quantserve.formats.schemes import schemes
 
 
 def _size(path: Path) -> str:
@@ -28,7 +29,7 @@ def _size(path: Path) -> str:
 @click.option("--quant", default=None, help="-> GGUF file type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k "
               "q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m); or -> a quantized HF "
               "directory: gptq, awq or rtn.")  # fmt: skip
-@click.option("--format", "fmt", type=click.Choice(["gptq", "awq", "compressed-tensors", "marlin"]), default=None,
+@click.option("--format", "fmt", type=click.Choice(sorted(schemes())), default=None,
               help="Quantized HF output format [default: gptq for --quant gptq/rtn, awq for awq]. With a "
               "GPTQ/AWQ/compressed-tensors/Marlin --src and no --quant: repack losslessly.")  # fmt: skip
 @click.option("--bits", type=click.Choice(["2", "3", "4", "8"]), default="4", show_default=True,

@@ -26,7 +26,7 @@ def gguf_for(model: str, models_file: str | None) -> Path:
         from quantserve.insitu import ensure_gguf
 
         return ensure_gguf(spec, None, cache_dir=None, use_cache=True)[0]
-    if spec.format in ("gptq", "awq", "marlin", "compressed-tensors"):
+    if spec.scheme is not None:
         # Scored by the same llama.cpp code as every GGUF: the exact dequantized weights, as an f32 GGUF.
         import tempfile
 
@@ -40,7 +40,7 @@ def gguf_for(model: str, models_file: str | None) -> Path:
             gguf, handle = ensure_gguf(detect(dense), "f32", cache_dir=None, use_cache=False)
         _KEEP.append(handle)
         return gguf
-    raise QuantserveError(f"{path} is {spec.format}; eval reads GGUF, dense and GPTQ/AWQ/Marlin checkpoints")
+    raise QuantserveError(f"{path} is {spec.format}; eval reads GGUF, dense and quantized HF checkpoints")
 
 
 _KEEP: list = []  # temporary GGUF conversions, alive until the process ends

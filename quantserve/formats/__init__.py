@@ -6,7 +6,6 @@ from quantserve.formats.detect import detect
 from quantserve.formats.gguf import parse_gguf_bytes, read_gguf_info
 from quantserve.formats.safetensors_header import parse_safetensors_header, read_safetensors_header
 from quantserve.formats.spec import (
-    FORMATS,
     GGUFInfo,
     GGUFTensorInfo,
     ModelSpec,
@@ -16,7 +15,6 @@ from quantserve.formats.spec import (
 from quantserve.formats.summary import ModelSummary, render_summary, summarize
 
 __all__ = [
-    "FORMATS",
     "GGUFInfo",
     "GGUFTensorInfo",
     "ModelSpec",

@@ -180,12 +180,13 @@ def _safetensors_spec(path: Path, files: list[Path]) -> ModelSpec:
                 f"{directory}: the index maps tensor '{name}' to {shard}, but that shard lacks it"
             )
     config = _config(directory)
-    fmt, quant = detect_hf(config, directory, tensors, metadata)
+    scheme, dtype = detect_hf(config, directory, tensors, metadata)
+    fmt, quant = (scheme.name, scheme.describe()) if scheme else ("safetensors", {"dtype": dtype})
     arch = None
     if config:
         archs = config.get("architectures")
         arch = config.get("model_type") or (archs[0] if isinstance(archs, list) and archs else None)
-    return ModelSpec(fmt, path, tuple(files), config, quant, str(arch) if arch else None)
+    return ModelSpec(fmt, path, tuple(files), config, quant, str(arch) if arch else None, scheme)
 
 
 def _files(directory: Path) -> list[Path]:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
+from quantserve.kernels import grouping
+from quantserve.kernels.grouping import SUPPORTED_BITS
 from quantserve.kernels.packing import pack, packed_len, unpack
-from quantserve.kernels.qweight import SUPPORTED_BITS, QuantizedWeight, QuantLayoutError
+from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +90,9 @@ def _check_bits(name: str, bits: int) -> None:
         )
 
 
-def _n_groups(k: int, group_size: int) -> int:
-    return 1 if group_size == -1 else -(-k // group_size)
-
-
 def _group_from_shapes(name: str, k: int, n_groups: int, group_size: int, derive: bool) -> int:
     """The group size, checked against the number of scale rows over K (or derived from it)."""
-    if _n_groups(k, group_size) == n_groups:
+    if grouping.n_groups(k, group_size) == n_groups:
         return group_size
     if derive and n_groups == 1:
         return -1
@@ -103,7 +101,7 @@ def _group_from_shapes(name: str, k: int, n_groups: int, group_size: int, derive
     raise _error(
         name,
         f"{n_groups} scale groups over K = {k} contradict group_size {group_size} "
-        f"(which needs {_n_groups(k, group_size)})",
+        f"(which needs {grouping.n_groups(k, group_size)})",
     )
 
 
@@ -240,7 +238,7 @@ def decode_awq_gemv(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
     qzeros = _int_tensor(_need(get, prefix, "qzeros"), f"{prefix}.qzeros")
     scales = _need(get, prefix, "scales")
     n, k = qweight.shape[0], qweight.shape[1] * 8
-    g = _n_groups(k, lq.group_size)
+    g = grouping.n_groups(k, lq.group_size)
     if scales.shape[0] != n or scales.shape[1] < g or qzeros.shape[0] != n or qzeros.shape[1] * 8 < g:
         raise _error(
             f"{prefix}.scales",
@@ -344,21 +342,9 @@ def decode_marlin(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
 
 @dataclass(frozen=True)
 class Layout:
-    """A per-linear tensor layout: the tensor that marks a quantized linear, all tensors it owns, the decoder."""
+    """A per-linear tensor layout (a scheme's `layout()`): the tensor that marks a quantized linear, all tensors
+    it owns, the decoder."""
 
     marker: str
     suffixes: tuple[str, ...]
     decode: Callable[[str, Get, LayerQuant], QuantizedWeight]
-
-
-LAYOUTS: dict[str, Layout] = {
-    "gptq": Layout("qweight", ("qweight", "qzeros", "scales", "g_idx"), decode_gptq),
-    "awq-gemm": Layout("qweight", ("qweight", "qzeros", "scales"), decode_awq_gemm),
-    "awq-gemv": Layout("qweight", ("qweight", "qzeros", "scales"), decode_awq_gemv),
-    "marlin": Layout("B", ("B", "s", "g_idx", "perm", "zp", "workspace"), decode_marlin),
-    "compressed-tensors": Layout(
-        "weight_packed",
-        ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape"),
-        decode_compressed_tensors,
-    ),
-}

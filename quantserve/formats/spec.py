@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quantserve.errors import ModelFileError
 
-# Every format string detect() can return; the loader and the summary dispatch on these.
-FORMATS = ("gguf", "gptq", "awq", "marlin", "compressed-tensors", "safetensors")
+if TYPE_CHECKING:
+    from quantserve.formats.schemes import QuantScheme
 
 
 @dataclass(frozen=True)
@@ -122,11 +122,8 @@ class ModelSpec:
 
     `quant` keys by format:
       gguf               {file_type, version}
-      gptq               {bits, group_size, sym, desc_act, checkpoint_format}
-      awq                {bits, group_size, zero_point, version}
-      marlin             {bits, group_size}
-      compressed-tensors {format, num_bits, group_size, symmetric, strategy, actorder}
       safetensors        {dtype}
+      a quantized scheme its `describe()`, e.g. gptq {bits, group_size, sym, desc_act, checkpoint_format}
     """
 
     format: str
@@ -135,6 +132,9 @@ class ModelSpec:
     config: dict[str, Any] | None
     quant: dict[str, Any]
     architecture: str | None
+    scheme: QuantScheme | None = (
+        None  # a quantized HF checkpoint's parsed config (quantserve.formats.schemes)
+    )
 
     @property
     def directory(self) -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,20 +78,18 @@ _AUXILIARY = {
     "weight_g_idx",
     "weight_shape",
 }
-_FORMAT_LABEL = {"gptq": "GPTQ", "awq": "AWQ", "marlin": "Marlin", "compressed-tensors": "CT"}
 
 
 def _quant_label(spec: ModelSpec) -> str:
-    bits = spec.quant.get("bits", spec.quant.get("num_bits"))
-    group = spec.quant.get("group_size")
-    g = "per-channel" if group in (-1, None) else f"g{group}"
-    return f"{_FORMAT_LABEL.get(spec.format, spec.format)} int{bits} {g}"
+    assert spec.scheme is not None
+    bits, group, _ = spec.scheme.weights()
+    return f"{spec.scheme.label} int{bits} {'per-channel' if group == -1 else f'g{group}'}"
 
 
 def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
     headers = [read_safetensors_header(f) for f in spec.files]
     tensors = [t for h in headers for t in h.tensors.values()]
-    bits = spec.quant.get("bits", spec.quant.get("num_bits"))
+    bits = spec.scheme.weights()[0] if spec.scheme else None
     quantized = {t.name.rsplit(".", 1)[0] for t in tensors if t.name.rsplit(".", 1)[-1] in _PACKED}
     n_params, classes = 0, []
     for t in tensors:
@@ -131,22 +129,16 @@ def _hf_has_chat_template(directory: Path) -> bool:
     return bool(tok.is_file() and read_json_object(tok).get("chat_template"))
 
 
-def _torch(why: str) -> Callable[[ModelSpec], list[tuple[str, str]]]:
-    return lambda spec: [("torch", why.format(**spec.quant))]
-
-
-# Which backends can serve each format, and why; one entry per format (register, don't elif).
-BACKENDS: dict[str, Callable[[ModelSpec], list[tuple[str, str]]]] = {
-    "gguf": lambda spec: [("llamacpp", f"GGUF is llama.cpp's native format ({spec.quant['file_type']})")],
-    "safetensors": lambda spec: [
+def _backends(spec: ModelSpec) -> list[tuple[str, str]]:
+    """Which backends can serve the model, and why."""
+    if spec.format == "gguf":
+        return [("llamacpp", f"GGUF is llama.cpp's native format ({spec.quant['file_type']})")]
+    if spec.scheme is not None:
+        return [("torch", f"{spec.scheme.summary()} linear layers")]
+    return [
         ("torch", f"dense {spec.quant['dtype']} weights"),
         ("llamacpp (after convert)", "convert to GGUF (optionally quantizing) first"),
-    ],
-    "gptq": _torch("GPTQ {bits}-bit linear layers (group_size {group_size}, {checkpoint_format} zeros)"),
-    "awq": _torch("AWQ {bits}-bit {version} linear layers (group_size {group_size})"),
-    "marlin": _torch("Marlin-packed {bits}-bit linear layers (group_size {group_size})"),
-    "compressed-tensors": _torch("{format} {num_bits}-bit linear layers ({strategy} strategy)"),
-}
+    ]
 
 
 def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
@@ -156,7 +148,7 @@ def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
     """
     spec = path if isinstance(path, ModelSpec) else detect(path)
     facts = _summarize_gguf(spec) if spec.format == "gguf" else _summarize_hf(spec)
-    backends = BACKENDS[spec.format](spec)
+    backends = _backends(spec)
     n_params = facts["n_params"]
     return ModelSummary(
         path=spec.path,

@@ -34,8 +34,8 @@ def dequantize_checkpoint(src: Path, dst: Path, *, dtype: str = "float32", force
         ConfigError: `src` is not a quantized HF checkpoint, or dst exists without force.
     """
     spec = detect(src)
-    if spec.format not in ("gptq", "awq", "marlin", "compressed-tensors"):
-        raise ConfigError(f"{src} is {spec.format}, not a GPTQ/AWQ/compressed-tensors/Marlin checkpoint")
+    if spec.scheme is None:
+        raise ConfigError(f"{src} is {spec.format}, not a quantized HF checkpoint (GPTQ, AWQ, Marlin, ...)")
     st_dtype, torch_dtype = _DTYPES[dtype]
     with open_quantized(spec) as ckpt, staged_output(Path(dst), directory=True, force=force) as out:
         linears = ckpt.linear_prefixes()

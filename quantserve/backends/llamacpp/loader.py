@@ -11,12 +11,10 @@ from quantserve.formats import ModelSpec, detect, read_gguf_info
 
 log = logging.getLogger("quantserve")
 
-QUANTIZED_HF = ("gptq", "awq", "marlin", "compressed-tensors")
-
 
 def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
-    """A GPTQ/AWQ/Marlin/compressed-tensors checkpoint as dense fp16 weights in a temporary directory (llama.cpp
-    reads no such format); the handle keeps the directory alive while the model is served."""
+    """A quantized HF checkpoint (GPTQ, AWQ, Marlin, compressed-tensors) as dense fp16 weights in a temporary
+    directory (llama.cpp reads no such format); the handle keeps the directory alive while it is served."""
     import tempfile
     from pathlib import Path
 
@@ -31,7 +29,7 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
 def load_llamacpp(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
     quant = settings.quant
     keep_alive = None
-    if spec.format in QUANTIZED_HF:
+    if spec.scheme is not None:
         spec, keep_alive = _dequantized(spec)
         quant = quant or "q8_0"  # the 4-bit values need no more than 8 bits to stay (nearly) exact
     if spec.format == "safetensors":

@@ -23,7 +23,6 @@ from quantserve.formats import ModelSpec
 
 log = logging.getLogger("quantserve.torch")
 
-QUANTIZED_FORMATS = ("gptq", "awq", "marlin", "compressed-tensors")
 LOAD_QUANTS = ("int4",)  # --quant values the torch backend applies at load (RTN, 4-bit, symmetric)
 
 
@@ -111,7 +110,7 @@ def load_model(
     """
     t0 = time.perf_counter()
     args = ModelArgs.from_hf_config(spec.config or {})
-    if quant and spec.format in QUANTIZED_FORMATS:
+    if quant and spec.scheme is not None:
         raise ConfigError(
             f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"
         )
@@ -121,7 +120,7 @@ def load_model(
             f"{', '.join(LOAD_QUANTS)} (or serve with --backend llamacpp)",
             param="quant",
         )
-    if spec.format in QUANTIZED_FORMATS:
+    if spec.scheme is not None:
         from quantserve.backends.torch.quant_linear import QuantLinear
         from quantserve.formats.quant_read import open_quantized
 
