@@ -10,11 +10,12 @@ whose rows are k indices and whose columns are n indices. Neither axis needs to 
 gathers the matching activation columns (which also applies act-order's perm for free) and the epilogue
 stores each accumulator column at its own n. No shuffles, no precomputed tables.
 
-The kernels call only Triton builtins, not tl.sum / tl.zeros / tl.cdiv / tl.interleave, which are themselves
-@triton.jit functions wrapped when triton is imported: Triton's interpreter cannot call those if triton was
-imported before TRITON_INTERPRET=1 was set, and calling them interpreted leaves triton.language patched for any
-later GPU compile in the process. (The FMA path's tl.reduce gets triton's own _sum_combine, which the
-interpreter recognises and maps to numpy.sum without calling it.) So both orders work.
+The kernels call only Triton builtins and our own helper, not tl.sum / tl.zeros / tl.cdiv / tl.interleave,
+which are themselves @triton.jit functions wrapped when triton is imported: Triton's interpreter cannot call
+those if triton was imported before TRITON_INTERPRET=1 was set, and calling them interpreted leaves
+triton.language patched for any later GPU compile in the process. (The FMA path's tl.reduce gets triton's own
+_sum_combine, which the interpreter recognises and maps to numpy.sum without calling it.) Our helper,
+_marlin_columns, is wrapped at call time like the kernels, so both orders work.
 
 Dequantization is exact: `(q | 0x4B000000)` read as fp32 is 2^23 + q, so `- (2^23 + zero)` gives q - zero in
 one subtract, and the scale is applied after the dot product whenever a K block lies in one group (scales
@@ -29,6 +30,54 @@ from typing import Any
 
 # triton.language, bound by _jit_kernels() on first use: importing this module never imports triton.
 tl: Any = None
+
+
+def _marlin_columns(pid_n, N, BITS: tl.constexpr, SCALE_SINGLE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The column half of the Marlin layout inversion for the BLOCK_N-wide tile `pid_n`, shared by every kernel.
+
+    Returns (wcol, c_mask, n, n_mask, col_shift, spos, zword, zshift):
+      wcol, c_mask: the word-tile columns (nt, l8, w[, h]) to load from a qweight row, and which exist;
+      n, n_mask: the output column of each accumulator column j (4-bit words are interleaved twice, so
+        j % 2 picks slot pair p1 and col_shift the matching 8-bit shift);
+      spos: where column n's scale sits after marlin_permute_scales (8x8 transpose per 64, or
+        scale_perm_single per 32);
+      zword, zshift: the int32 word and bit offset of column n's zero point after marlin_zero_points (the
+        64-chunk transpose, then the dequantizer interleave, then packing).
+    """
+    c = tl.arange(0, BLOCK_N * BITS // 8)  # word-tile column = (nt, l8, w[, h])
+    if BITS == 4:
+        wcol = (c // 32) * 128 + ((c // 4) % 8) * 16 + c % 4
+    else:
+        wcol = (c // 64) * 256 + ((c // 8) % 8) * 32 + ((c // 2) % 4) * 2 + c % 2
+    wcol += pid_n * (BLOCK_N // 64) * (32 * BITS)
+    # Runs of BITS words (w[, h]) are contiguous and aligned: 16/32-byte loads (cp.async.cg 16 on sm90).
+    wcol = tl.max_contiguous(tl.multiple_of(wcol, BITS), BITS)
+    c_mask = pid_n * (BLOCK_N // 64) + c // (8 * BITS) < N // 64
+    j = tl.arange(0, BLOCK_N)
+    if BITS == 4:
+        cw = j // 2
+        n = pid_n * BLOCK_N + (cw // 32) * 64 + (cw % 4) * 16 + (cw // 4) % 8 + (j % 2) * 8
+        col_shift = (j % 2) * 8
+    else:
+        n = pid_n * BLOCK_N + (j // 64) * 64 + ((j // 2) % 4) * 16 + (j // 8) % 8 + (j % 2) * 8
+        col_shift = j * 0
+    n_mask = n < N
+    if SCALE_SINGLE:
+        spos = (n // 32) * 32 + ((n % 8) // 2) * 8 + ((n % 32) // 8) * 2 + n % 2
+    else:
+        spos = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+    zq = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
+    if BITS == 4:
+        zword = zq // 8
+        zshift = (4 * (zq % 2) + (zq % 8) // 2) * 4
+    else:
+        zword = zq // 4
+        zshift = (2 * (zq % 2) + (zq % 4) // 2) * 8
+    return wcol, c_mask, n, n_mask, col_shift, spos, zword, zshift
+
+
+# The plain function; _jit_kernels binds the name `_marlin_columns`, which the kernels call, to its Triton wrapper.
+_MARLIN_COLUMNS = _marlin_columns
 
 
 def _w4a16_gemm(
@@ -55,37 +104,9 @@ def _w4a16_gemm(
     r = tl.arange(0, BLOCK_K // 4)  # word-tile row = (t, l4)
     t = r // 4
     l4 = r % 4
-    c = tl.arange(0, BLOCK_N * BITS // 8)  # word-tile column = (nt, l8, w[, h])
-    if BITS == 4:
-        wcol = (c // 32) * 128 + ((c // 4) % 8) * 16 + c % 4
-    else:
-        wcol = (c // 64) * 256 + ((c // 8) % 8) * 32 + ((c // 2) % 4) * 2 + c % 2
-    wcol += pid_n * (BLOCK_N // 64) * (32 * BITS)
-    # Runs of BITS words (w[, h]) are contiguous and aligned: 16/32-byte loads (cp.async.cg 16 on sm90).
-    wcol = tl.max_contiguous(tl.multiple_of(wcol, BITS), BITS)
-    c_mask = pid_n * (BLOCK_N // 64) + c // (8 * BITS) < N // 64
-    j = tl.arange(0, BLOCK_N)  # accumulator column; 4-bit words are interleaved twice (p1 = j % 2)
-    if BITS == 4:
-        cw = j // 2
-        n = pid_n * BLOCK_N + (cw // 32) * 64 + (cw % 4) * 16 + (cw // 4) % 8 + (j % 2) * 8
-        col_shift = (j % 2) * 8
-    else:
-        n = pid_n * BLOCK_N + (j // 64) * 64 + ((j // 2) % 4) * 16 + (j // 8) % 8 + (j % 2) * 8
-        col_shift = j * 0
-    n_mask = n < N
-    # Inverse of marlin_permute_scales (8x8 transpose per 64, or scale_perm_single per 32).
-    if SCALE_SINGLE:
-        spos = (n // 32) * 32 + ((n % 8) // 2) * 8 + ((n % 32) // 8) * 2 + n % 2
-    else:
-        spos = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
-    # Inverse of marlin_zero_points: the 64-chunk transpose, then the dequantizer interleave, then packing.
-    zq = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
-    if BITS == 4:
-        zword = zq // 8
-        zshift = (4 * (zq % 2) + (zq % 8) // 2) * 4
-    else:
-        zword = zq // 4
-        zshift = (2 * (zq % 2) + (zq % 4) // 2) * 8
+    wcol, c_mask, n, n_mask, col_shift, spos, zword, zshift = _marlin_columns(
+        pid_n, N, BITS, SCALE_SINGLE, BLOCK_N
+    )
     zp_stride = N * BITS // 32
     if GROUP_MODE == 0:
         s_row = tl.load(s_ptr + spos, mask=n_mask, other=0.0).to(tl.float32)
@@ -182,35 +203,9 @@ def _marlin_dequant(
     r = tl.arange(0, BLOCK_K // 4)
     t = r // 4
     l4 = r % 4
-    c = tl.arange(0, BLOCK_N * BITS // 8)
-    if BITS == 4:
-        wcol = (c // 32) * 128 + ((c // 4) % 8) * 16 + c % 4
-    else:
-        wcol = (c // 64) * 256 + ((c // 8) % 8) * 32 + ((c // 2) % 4) * 2 + c % 2
-    wcol += pid_n * (BLOCK_N // 64) * (32 * BITS)
-    # Runs of BITS words (w[, h]) are contiguous and aligned: 16/32-byte loads (cp.async.cg 16 on sm90).
-    wcol = tl.max_contiguous(tl.multiple_of(wcol, BITS), BITS)
-    c_mask = pid_n * (BLOCK_N // 64) + c // (8 * BITS) < N // 64
-    j = tl.arange(0, BLOCK_N)
-    if BITS == 4:
-        cw = j // 2
-        n = pid_n * BLOCK_N + (cw // 32) * 64 + (cw % 4) * 16 + (cw // 4) % 8 + (j % 2) * 8
-        col_shift = (j % 2) * 8
-    else:
-        n = pid_n * BLOCK_N + (j // 64) * 64 + ((j // 2) % 4) * 16 + (j // 8) % 8 + (j % 2) * 8
-        col_shift = j * 0
-    n_mask = n < N
-    if SCALE_SINGLE:
-        spos = (n // 32) * 32 + ((n % 8) // 2) * 8 + ((n % 32) // 8) * 2 + n % 2
-    else:
-        spos = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
-    zq = (n // 64) * 64 + (n % 8) * 8 + (n % 64) // 8
-    if BITS == 4:
-        zword = zq // 8
-        zshift = (4 * (zq % 2) + (zq % 8) // 2) * 4
-    else:
-        zword = zq // 4
-        zshift = (2 * (zq % 2) + (zq % 4) // 2) * 8
+    wcol, c_mask, n, n_mask, col_shift, spos, zword, zshift = _marlin_columns(
+        pid_n, N, BITS, SCALE_SINGLE, BLOCK_N
+    )
     kt = pid_k * (BLOCK_K // 16) + t
     r_mask = kt < K // 16
     wptr = qw_ptr + (kt * stride_qw + l4 * BITS)[:, None] + wcol[None, :]
@@ -234,10 +229,17 @@ def _marlin_dequant(
         tl.store(w_ptr + row[:, None] * N + n[None, :], val.to(w_ptr.dtype.element_ty), mask=gmask)
 
 
-@functools.cache
 def _jit_kernels(interpret: bool) -> tuple[Any, Any, Any]:
-    """(gemm, dequant, split-K sum) as Triton functions, wrapped on first use (never at import) and keyed by the flag, so
-    TRITON_INTERPRET is honoured at call time even when triton was imported before it was set."""
+    """(gemm, dequant, split-K sum) as Triton functions, wrapped on first use (never at import) and keyed by the
+    flag, so TRITON_INTERPRET is honoured at call time even when triton was imported before it was set. The
+    shared index helper is bound to the same kind of wrapper, under the name the kernels call it by."""
+    kernels, columns = _wrapped(interpret)
+    globals()["_marlin_columns"] = columns
+    return kernels
+
+
+@functools.cache
+def _wrapped(interpret: bool) -> tuple[tuple[Any, Any, Any], Any]:
     global tl
     import triton.language
     from triton.runtime.interpreter import InterpretedFunction
@@ -245,4 +247,4 @@ def _jit_kernels(interpret: bool) -> tuple[Any, Any, Any]:
 
     tl = triton.language
     wrap = InterpretedFunction if interpret else JITFunction
-    return wrap(_w4a16_gemm), wrap(_marlin_dequant), wrap(_splitk_sum)
+    return (wrap(_w4a16_gemm), wrap(_marlin_dequant), wrap(_splitk_sum)), wrap(_MARLIN_COLUMNS)
