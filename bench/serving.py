@@ -34,12 +34,12 @@ from serving_report import QUANTSERVE, write_report  # noqa: E402
 from quantserve import __version__ as quantserve_version  # noqa: E402
 from quantserve.cli.loadgen import (  # noqa: E402
     DEFAULT_PROMPTS,
-    LoadResult,
     LoadSpec,
     ServerUnreachableError,
     run_load,
     wait_ready,
 )
+from quantserve.cli.loadgen_report import LoadResult  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
 
 LCPP, NATIVE = "llama-cpp-python", "llama-server"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from quantserve.cli.loadgen import LoadResult
-from quantserve.cli.loadgen_report import ratios, render_table
+from quantserve.cli.loadgen_report import LoadResult, ratios, render_table
 
 QUANTSERVE = "quantserve"  # every server whose name starts with this is ours; the others are peers
 

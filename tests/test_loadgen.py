@@ -16,18 +16,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from quantserve.cli.bench import bench
 from quantserve.cli.loadgen import (
-    LoadResult,
     LoadSpec,
-    RequestResult,
     ServerUnreachableError,
     load_prompts,
-    percentile,
     run_load,
-    summarize,
     synthetic_prompts,
     wait_ready,
 )
-from quantserve.cli.loadgen_report import ratios, render_ratio, render_table
+from quantserve.cli.loadgen_report import (
+    LoadResult,
+    RequestResult,
+    percentile,
+    ratios,
+    render_ratio,
+    render_table,
+    summarize,
+)
 from tests.conftest import free_port
 
 TOKEN_DELAY_S = 0.002

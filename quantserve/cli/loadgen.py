@@ -1,25 +1,22 @@
-"""A load generator for any OpenAI-compatible server: concurrent requests, TTFT/TPOT/latency, tok/s."""
+"""A load generator for any OpenAI-compatible server: concurrent streamed requests, each timed (TTFT, TPOT,
+latency, tokens); loadgen_report.py turns the records into tok/s and percentiles."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
-import math
 import time
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
+from quantserve.cli.loadgen_report import LoadResult, RequestResult, summarize
 from quantserve.errors import ConfigError, QuantserveError
 
 Endpoint = Literal["chat", "completions"]
-
-MAX_ERRORS = 20  # distinct error strings kept in a LoadResult; the count covers all of them
 
 # Questions that invite long answers, so that servers without `ignore_eos` still run close to max_tokens.
 DEFAULT_PROMPTS: tuple[str, ...] = (
@@ -71,104 +68,6 @@ class LoadSpec:
     def prompt(self, k: int) -> str:
         text = self.prompts[k % len(self.prompts)]
         return f"[{self.tag}.{k}] {text}" if self.tag else text
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    """One request. Times in seconds from sending it; `ttft_s` is None when no content arrived."""
-
-    ok: bool
-    latency_s: float
-    ttft_s: float | None = None
-    output_tokens: int = 0
-    tokens_from_usage: bool = False
-    error: str | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.ttft_s is None or self.output_tokens < 2 or self.ttft_s >= self.latency_s:
-            return None  # non-stream requests have TTFT == latency: no per-token time to measure
-        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    """Aggregates of one run. Times: TTFT/TPOT in ms, latency in s; None where nothing was measured."""
-
-    concurrency: int
-    num_requests: int
-    num_ok: int
-    num_errors: int
-    errors: tuple[str, ...]
-    wall_s: float
-    output_tokens: int
-    agg_tok_s: float
-    mean_output_tokens: float
-    token_source: str  # "usage", "chunks" (streams without usage: one chunk per token) or "mixed"
-    ttft_p50_ms: float | None
-    ttft_p95_ms: float | None
-    tpot_p50_ms: float | None
-    tpot_p95_ms: float | None
-    latency_p50_s: float | None
-    latency_p95_s: float | None
-    latency_mean_s: float | None
-    requests: tuple[RequestResult, ...] = field(default=(), repr=False)
-
-    def to_dict(self, include_requests: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        d["errors"] = list(self.errors)
-        if include_requests:
-            d["requests"] = [{**asdict(r), "tpot_s": r.tpot_s} for r in self.requests]
-        else:
-            del d["requests"]
-        return d
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0–100) with linear interpolation between ranks, as numpy's default; None if empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _scaled(x: float | None, k: float) -> float | None:
-    return None if x is None else x * k
-
-
-def summarize(records: Sequence[RequestResult], wall_s: float, concurrency: int) -> LoadResult:
-    """Aggregate request records; tokens of failed requests do not count towards tok/s."""
-    ok = [r for r in records if r.ok]
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
-    tpot = [t for r in ok if (t := r.tpot_s) is not None]
-    lat = [r.latency_s for r in ok]
-    tokens = sum(r.output_tokens for r in ok)
-    sources = {r.tokens_from_usage for r in ok}
-    source = "mixed" if len(sources) > 1 else ("usage" if sources == {True} else "chunks")
-    errors = Counter(r.error or "unknown error" for r in records if not r.ok)
-    return LoadResult(
-        concurrency=concurrency,
-        num_requests=len(records),
-        num_ok=len(ok),
-        num_errors=len(records) - len(ok),
-        errors=tuple(f"{msg} (x{n})" if n > 1 else msg for msg, n in errors.most_common(MAX_ERRORS)),
-        wall_s=wall_s,
-        output_tokens=tokens,
-        agg_tok_s=tokens / wall_s if wall_s > 0 else 0.0,
-        mean_output_tokens=tokens / len(ok) if ok else 0.0,
-        token_source=source if ok else "none",
-        ttft_p50_ms=_scaled(percentile(ttft, 50), 1e3),
-        ttft_p95_ms=_scaled(percentile(ttft, 95), 1e3),
-        tpot_p50_ms=_scaled(percentile(tpot, 50), 1e3),
-        tpot_p95_ms=_scaled(percentile(tpot, 95), 1e3),
-        latency_p50_s=percentile(lat, 50),
-        latency_p95_s=percentile(lat, 95),
-        latency_mean_s=sum(lat) / len(lat) if lat else None,
-        requests=tuple(records),
-    )
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

@@ -17,11 +17,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quantserve import __version__
 from quantserve.errors import EmbeddingsUnsupportedError, InvalidRequestError, QuantserveError
 from quantserve.llm import LLM
-from quantserve.server import anthropic_api, openai_api, responses_api
+from quantserve.server.anthropic import routes as anthropic_routes
 from quantserve.server.errors import error_response, install_error_handlers
 from quantserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
-from quantserve.server.protocol import EmbeddingRequest
-from quantserve.server.response_store import ResponseStore
+from quantserve.server.openai import routes as openai_routes
+from quantserve.server.openai.protocol import EmbeddingRequest
+from quantserve.server.responses import routes as responses_routes
+from quantserve.server.responses.store import ResponseStore
 from quantserve.server.settings import ServerSettings
 from quantserve.server.state import ServerState
 
@@ -77,9 +79,9 @@ def create_app(
     app.state.settings = settings
     app.state.responses = ResponseStore(settings.responses_store_size)
     install_error_handlers(app)
-    app.include_router(openai_api.router)
-    app.include_router(responses_api.router)
-    app.include_router(anthropic_api.router)
+    app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
+    app.include_router(anthropic_routes.router)
 
     @app.get("/health")
     async def health():

@@ -24,7 +24,7 @@ from quantserve.server.generation import (
     until_disconnect,
     usage,
 )
-from quantserve.server.protocol import ChatCompletionRequest, CompletionRequest, response_schema
+from quantserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, response_schema
 from quantserve.server.state import ServerState
 from quantserve.structured import Grammar
 

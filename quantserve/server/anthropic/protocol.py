@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quantserve.chat import Tool, ToolChoice
 from quantserve.chat.tools import check_unique, checked_choice, make_tool
 from quantserve.errors import InvalidRequestError
-from quantserve.server.protocol import part_text, text_of
+from quantserve.server.openai.protocol import part_text, text_of
 
 TEXT = frozenset({"text"})
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from quantserve.chat import Reply, Tool, ToolChoice
 from quantserve.chat.tools import check_unique, make_tool, parse_openai_tool_choice
 from quantserve.errors import InvalidRequestError
-from quantserve.server.protocol import text_of
+from quantserve.server.openai.protocol import text_of
 
 INPUT_TEXT = frozenset({"input_text", "output_text", "text"})
 

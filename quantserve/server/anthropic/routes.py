@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
 from quantserve.chat.jsonscan import no_lone_surrogates
 from quantserve.llm import LLM
-from quantserve.server.anthropic_protocol import (
+from quantserve.server.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
     anthropic_tool_choice,

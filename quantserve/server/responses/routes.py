@@ -21,8 +21,7 @@ from quantserve.server.generation import (
     start_chat,
     until_disconnect,
 )
-from quantserve.server.response_store import ResponseStore, StoredResponse
-from quantserve.server.responses_protocol import (
+from quantserve.server.responses.protocol import (
     ResponsesRequest,
     call_item,
     echo_choice,
@@ -34,6 +33,7 @@ from quantserve.server.responses_protocol import (
     response_tools,
     tool_choice,
 )
+from quantserve.server.responses.store import ResponseStore, StoredResponse
 from quantserve.server.state import ServerState
 
 router = APIRouter()
