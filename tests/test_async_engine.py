@@ -129,7 +129,7 @@ def test_a_failing_backend_fails_the_streams_instead_of_hanging():
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done():
     from quantserve.server.generation import event_stream
-    from quantserve.server.openai_api import _openai_error
+    from quantserve.server.openai.routes import _openai_error
 
     async def chunks():
         yield b"data: {}\n\n"
