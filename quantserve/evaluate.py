@@ -44,7 +44,7 @@ class ChunkScorer:
     least n_ctx/2 tokens of context)."""
 
     def __init__(self, path: Path, *, n_ctx: int = 512, threads: int = 0):
-        from quantserve.backends.llamacpp.model import init_backend
+        from quantserve.backends.llamacpp.library import init_backend
         from quantserve.formats import read_gguf_info
 
         read_gguf_info(path)  # validated before llama.cpp opens it

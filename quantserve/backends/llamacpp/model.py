@@ -10,6 +10,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
+from quantserve.backends.llamacpp.library import init_backend
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.core.runner import DropKV, KVCacheFull, KVSpec
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
@@ -22,28 +23,6 @@ log = logging.getLogger("quantserve.llamacpp")
 MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
-
-
-# ggml_log_level: 1 DEBUG, 2 INFO, 3 WARN, 4 ERROR, 5 CONT. llama.cpp is chatty at INFO, so that becomes DEBUG here.
-_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
-
-
-@lc.llama_log_callback
-def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    if text:
-        log.log(_LOG_LEVELS.get(level, logging.DEBUG), "%s", text.decode("utf-8", "replace").rstrip())
-
-
-_backend_ready = False
-
-
-def init_backend() -> None:
-    """Initialise llama.cpp once per process, with its log routed to Python logging; call before any model load."""
-    global _backend_ready
-    if not _backend_ready:
-        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        lc.llama_backend_init()
-        _backend_ready = True
 
 
 class LlamaCppRunner:

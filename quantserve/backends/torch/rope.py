@@ -1,0 +1,97 @@
+"""Rotary position embeddings: the inverse frequencies of every rope_scaling kind transformers knows for these
+models (default, linear, llama3, yarn), the model's one cos/sin table, and its application to q and k."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from quantserve.backends.torch.model import ModelArgs
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the attention scaling of cos/sin, as transformers'
+    `ROPE_INIT_FUNCTIONS` compute them for default, linear, llama3 and yarn."""
+    dim, base = args.head_dim, args.rope_theta
+    # fp32 like transformers, so that both models see the same frequencies.
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    s = dict(args.rope_scaling)
+    kind = s.get("rope_type", "default")
+    if kind == "linear":
+        return (inv_freq / s["factor"]).float(), 1.0
+    if kind == "llama3":
+        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_ctx = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    if kind == "yarn":
+        old_ctx = s.get("original_max_position_embeddings") or args.max_position_embeddings
+        factor = s.get("factor") or args.max_position_embeddings / old_ctx
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 0.1 * m * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+        attention_factor = s.get("attention_factor")
+        if attention_factor is None:
+            if s.get("mscale") and s.get("mscale_all_dim"):
+                attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+            else:
+                attention_factor = mscale(factor)
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        lo, hi = correction_dim(s.get("beta_fast", 32)), correction_dim(s.get("beta_slow", 1))
+        if s.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        return inv.float(), float(attention_factor)
+    return inv_freq.float(), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """The model's one rotary table: cos and sin of every position up to the longest seen so far, in fp32 (HF's
+    rotate_half layout: halves, not pairs). It grows by doubling; a lookup is an index, the same values as
+    computing them (positions x inverse frequencies, then cos/sin)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inv_freq(args)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cos = self._sin = torch.empty(0)
+
+    def _grow(self, n: int, device: torch.device) -> None:
+        size = max(256, 1 << (n - 1).bit_length())
+        freqs = torch.arange(size, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def forward(self, positions: torch.Tensor, max_position: int | None = None) -> Rope:
+        """cos, sin [T, head_dim] for positions [T]; `max_position` (the largest, if the caller knows it) saves a
+        look at the device tensor."""
+        top = max_position if max_position is not None else int(positions.max()) if positions.numel() else 0
+        if top >= self._cos.shape[0] or self._cos.device != positions.device:
+            self._grow(top + 1, positions.device)
+        return self._cos[positions], self._sin[positions]
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim] of the tokens at hand
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, H, D]; cos/sin [T, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
