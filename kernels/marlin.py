@@ -1,4 +1,7 @@
-"""vLLM's gptq_marlin / awq_marlin weight layout: repack QuantizedWeight to Marlin tiles and back (FORMATS §3)."""
+"""vLLM's gptq_marlin / awq_marlin weight layout: repack QuantizedWeight to Marlin tiles and back.
+
+Section names refer to docs/marlin.md.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from .qweight import QuantizedWeight, QuantLayoutError
 
 TILE_K, TILE_N = 16, 64  # vLLM's marlin::tile_k_size / tile_n_size: one repack tile is 16 k x 64 n
 MARLIN_BITS = (4, 8)
-# AWQ stores logical column pf*c + j in slot AWQ_UNDO[bits][j] (vLLM awq_marlin_repack.cu `undo_pack`, FORMATS §2.2).
+# AWQ stores logical column pf*c + j in slot AWQ_UNDO[bits][j] (vLLM awq_marlin_repack.cu `undo_pack`;
+# docs/quantized-checkpoints.md, "AWQ GEMM layout").
 AWQ_UNDO = {4: (0, 4, 1, 5, 2, 6, 3, 7), 8: (0, 2, 1, 3)}
 # Column interleave the Marlin dequantizer expects inside every pf values (FasterTransformer's
 # interleaved_numeric_conversion, used for weights and zero points alike).
@@ -21,7 +25,7 @@ INTERLEAVE = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
 
 @dataclass(frozen=True)
 class MarlinWeight:
-    """vLLM gptq_marlin / awq_marlin layout of one linear (FORMATS §3.2).
+    """vLLM gptq_marlin / awq_marlin layout of one linear ("vLLM gptq_marlin and awq_marlin").
 
     Attributes:
         qweight: int32 [K/16, N*bits/2], what vLLM's gptq_marlin_repack returns.
@@ -65,7 +69,8 @@ def _tile_index(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
     """(gather, inverse): flat tile position (16*64, row-major) of every packed value in output order.
 
     Output order is (word, slot) inside one tile's 1024/pf words. Mirrors gptq_marlin_repack.cu: thread `lane`
-    of warp `w` reads rows 2(lane%4) + [0, 1, 8, 9] at columns 16w + lane//4 and +8 (FORMATS §3.1 closed form).
+    of warp `w` reads rows 2(lane%4) + [0, 1, 8, 9] at columns 16w + lane//4 and +8 ("Closed form",
+    "8-bit words").
     """
     lane = torch.arange(32).view(32, 1, 1)
     warp = torch.arange(4).view(1, 4, 1)
@@ -81,7 +86,8 @@ def _tile_index(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
 
 @cache
 def _scale_perms(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM get_scale_perms (FORMATS §3.1): scale_perm[8a+b] = a+8b; scale_perm_single[8a+b] = 2a+off[b]."""
+    """vLLM get_scale_perms ("Scale permutations"): scale_perm[8a+b] = a+8b;
+    scale_perm_single[8a+b] = 2a+off[b]."""
     t = torch.arange(64)
     scale_perm = t // 8 + 8 * (t % 8)
     t = torch.arange(32)
@@ -176,7 +182,8 @@ def marlin_unpermute_scales(s: torch.Tensor, size_k: int, size_n: int, group_siz
 
 
 def marlin_zero_points(zp: torch.Tensor, size_k: int, size_n: int, num_bits: int) -> torch.Tensor:
-    """uint8 zero points [n_groups, N] -> int32 [n_groups, N*bits/32] (vLLM marlin_zero_points, FORMATS §3.2).
+    """uint8 zero points [n_groups, N] -> int32 [n_groups, N*bits/32] (vLLM marlin_zero_points, "Zero
+    points").
 
     scale_perm on chunks of 64 (never the single variant: zero points apply on every MMA), then the
     dequantizer interleave inside every 32/bits values, then LSB-first packing along N. size_k is unused and

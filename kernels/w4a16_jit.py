@@ -1,6 +1,6 @@
 """The Triton kernel bodies of the W4A16 path (GEMM / split-K GEMV, split-K sum, dequantize), on Marlin words.
 
-Layout inversion (FORMATS §3.1 closed form, §3.2 for 8-bit; vLLM gptq_marlin_repack.cu). One k-tile row of
+Layout inversion (vLLM gptq_marlin_repack.cu; docs/marlin.md, "Closed form", "8-bit words"). One k-tile row of
 `qweight` holds, per 64-column tile, 32*bits words; word j of 4-bit tile `nt` is `128 nt + 16 l8 + 4 l4 + w`
 (lane = 4 l8 + l4, warp w) and its slot p = 4 p2 + 2 p1 + p0 holds Q[16t + 2 l4 + 8 p0 + p2, 64 nt + 16 w + l8 +
 8 p1]. For 8-bit, word `256 nt + 32 l8 + 8 l4 + 2 w + h`, slot s = 2 s1 + s0 holds Q[16t + 2 l4 + 8 s0 + s1,

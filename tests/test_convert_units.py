@@ -35,7 +35,7 @@ def test_qk_permutation_matches_llama_cpp_and_inverts():
     gguf_w = hf[qk_hf_rows_for_gguf(n_head * d, n_head)]
     np.testing.assert_array_equal(gguf_w, ref)
     np.testing.assert_array_equal(gguf_w[qk_gguf_rows_for_hf(n_head * d, n_head)], hf)
-    # FORMATS.md §4.5 index form: HF row h·D + r <- GGUF row h·D + 2·(r mod D/2) + r // (D/2)
+    # docs/gguf.md, "Q/K permutation", index form: HF row h·D + r <- GGUF row h·D + 2·(r mod D/2) + r // (D/2)
     for h in range(n_head):
         for r in range(d):
             np.testing.assert_array_equal(hf[h * d + r], gguf_w[h * d + 2 * (r % (d // 2)) + r // (d // 2)])

@@ -1,4 +1,5 @@
-"""Marlin layout (kernels/marlin.py) against references written straight from FORMATS.md §2.2, §3.1 and §3.2."""
+"""Marlin layout (kernels/marlin.py) against references written straight from docs/marlin.md and
+docs/quantized-checkpoints.md, "AWQ GEMM layout". Unqualified section names refer to docs/marlin.md."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _rand_q(k: int, n: int, bits: int, seed: int = 0) -> torch.Tensor:
 
 
 def _closed_form(q: np.ndarray, bits: int) -> np.ndarray:
-    """FORMATS §3.1 closed form (4-bit) and §3.2's 8-bit text, one output word at a time."""
+    """The "Closed form" (4-bit) and "8-bit words", one output word at a time."""
     k, n = q.shape
     words_per_tile = 1024 * bits // 32  # 128 for 4-bit, 256 for 8-bit
     out = np.zeros((k // 16, n * bits // 2), dtype=np.int64)
@@ -62,7 +63,8 @@ def _closed_form(q: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _ist_daslab_perm(interleave: list[int]) -> np.ndarray:
-    """FORMATS §3.1 step 3: the 1024-chunk permutation built from 32 lanes, then the within-group interleave."""
+    """Step 2 of "Tiling and the chunk permutation": the 1024-chunk permutation built from 32 lanes, then
+    the within-group interleave."""
     perm = []
     for i in range(32):
         lane_idx = []
@@ -77,7 +79,8 @@ def _ist_daslab_perm(interleave: list[int]) -> np.ndarray:
 
 
 def _ist_daslab_pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """FORMATS §3.1 steps 1-4: 16x16 tiles flattened row-major, chunk permutation, LSB-first pack."""
+    """All of "Tiling and the chunk permutation": 16x16 tiles flattened row-major, chunk permutation,
+    LSB-first pack."""
     k, n = q.shape
     tiles = q.reshape(k // 16, 16, n // 16, 16).transpose(0, 2, 1, 3).reshape(k // 16, n * 16)
     interleave = [0, 2, 4, 6, 1, 3, 5, 7] if bits == 4 else [0, 2, 1, 3]  # 8-bit: vLLM's get_weight_perm
@@ -118,7 +121,7 @@ def test_repack_matches_closed_form(bits: int, shape: tuple[int, int], with_perm
 def test_ist_daslab_packer_equals_closed_form(bits: int, shape: tuple[int, int]) -> None:
     q = _rand_q(*shape, bits, seed=7).numpy()
     ref = _ist_daslab_pack(q, bits)
-    assert np.array_equal(ref, _closed_form(q, bits))  # FORMATS' claim
+    assert np.array_equal(ref, _closed_form(q, bits))  # the docs' claim
     assert np.array_equal(_u32(marlin_repack(torch.from_numpy(q), bits)), ref)
 
 
@@ -127,7 +130,8 @@ def test_ist_daslab_packer_equals_closed_form(bits: int, shape: tuple[int, int])
 def test_gptq_marlin_repack(bits: int, empty: bool) -> None:
     k, n = 128, 192
     q = _rand_q(k, n, bits, seed=3)
-    b_q_weight = pack(q, bits, dim=0)  # GPTQ qweight [K/pf, N], natural order (FORMATS §1.3)
+    # GPTQ qweight [K/pf, N], natural order (docs/quantized-checkpoints.md, "GPTQ bit packing")
+    b_q_weight = pack(q, bits, dim=0)
     if empty:
         perm = torch.empty(0, dtype=torch.int32)
         assert torch.equal(gptq_marlin_repack(b_q_weight, perm, k, n, bits), marlin_repack(q, bits))
@@ -143,7 +147,8 @@ def test_gptq_marlin_repack(bits: int, empty: bool) -> None:
 def test_awq_marlin_repack(bits: int) -> None:
     k, n = 64, 128
     pf = 32 // bits
-    # §2.2: logical column pf*c + j lives in slot inv[j]; 8-bit uses vLLM's undo_pack [0, 2, 1, 3]
+    # "AWQ GEMM layout": logical column pf*c + j lives in slot inv[j]; 8-bit uses vLLM's undo_pack
+    # [0, 2, 1, 3]
     inv = [0, 4, 1, 5, 2, 6, 3, 7] if bits == 4 else [0, 2, 1, 3]
     q = _rand_q(k, n, bits, seed=11).numpy().astype(np.int64)
     words = np.zeros((k, n // pf), dtype=np.int64)
@@ -181,7 +186,7 @@ def test_bias_permutation() -> None:
 def test_zero_points(bits: int) -> None:
     n_groups, n = 3, 128
     zp = _rand_q(n_groups, n, bits, seed=13)
-    # §3.2 steps: scale_perm on chunks of 64, interleave inside every pf, pack LSB-first along N
+    # "Zero points" steps: scale_perm on chunks of 64, interleave inside every pf, pack LSB-first along N
     flat = _permute_chunks(zp.flatten().tolist(), _scale_perm_formula(single=False))
     flat = _permute_chunks(flat, [0, 2, 4, 6, 1, 3, 5, 7] if bits == 4 else [0, 2, 1, 3])
     pf = 32 // bits

@@ -1,5 +1,8 @@
 """GPTQ / AWQ / compressed-tensors / Marlin: write -> detect -> read round trips, checked against independent numpy
-decoders written from FORMATS.md, the tensor/config contract vLLM's loaders expect, hand-built files, errors."""
+decoders written from the docs, the tensor/config contract vLLM's loaders expect, hand-built files, errors.
+
+Section names refer to docs/quantized-checkpoints.md unless docs/marlin.md is named.
+"""
 
 from __future__ import annotations
 
@@ -78,11 +81,12 @@ def u32(t: torch.Tensor) -> np.ndarray:
     return t.numpy().view(np.uint32)
 
 
-# ---- independent reference decoders (numpy, from FORMATS.md) -------------------------------------
+# ---- independent reference decoders (numpy, from docs/) ------------------------------------------
 
 
 def np_unpack(words: np.ndarray, bits: int, axis: int, count: int) -> np.ndarray:
-    """Value j along `axis` starts at global bit bits*j, LSB-first, and may straddle two words (§1.3, §5.2)."""
+    """Value j along `axis` starts at global bit bits*j, LSB-first, and may straddle two words
+    ("GPTQ bit packing", "compressed-tensors packing")."""
     w = np.moveaxis(words.astype(np.uint64), axis, 0)
     w = np.concatenate([w, np.zeros_like(w[:1])])
     j = np.arange(count)
@@ -102,7 +106,7 @@ def ref_gptq(t: dict, p: str, qc: dict) -> np.ndarray:
     qz = u32(t[f"{p}.qzeros"])
     if qc["checkpoint_format"] == "gptq_v2":
         z = np_unpack(qz, b, 1, s.shape[1])
-    else:  # v1: +1 per slot (§1.4); the writer only uses v1 for these symmetric cases
+    else:  # v1: +1 per slot ("GPTQ zero points"); the writer only uses v1 for these symmetric cases
         z = (np_unpack(qz, b, 1, s.shape[1]) + 1) & ((1 << b) - 1)
     return gather(s, z, g_idx, q)
 
@@ -113,7 +117,7 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 def np_awq(words: np.ndarray) -> np.ndarray:
     out = np.zeros((words.shape[0], words.shape[1] * 8), dtype=np.int64)
     for c in range(words.shape[1]):
-        for p in range(8):  # slot p of word c holds logical column 8c + order[p] (§2.2)
+        for p in range(8):  # slot p of word c holds logical column 8c + order[p] ("AWQ GEMM layout")
             out[:, 8 * c + AWQ_ORDER[p]] = (words[:, c].astype(np.int64) >> (4 * p)) & 15
     return out
 
@@ -134,11 +138,12 @@ def ref_ct(t: dict, p: str, qc: dict) -> np.ndarray:
         t[f"{p}.weight_g_idx"].numpy() if f"{p}.weight_g_idx" in t else np.arange(k) // (w["group_size"] or k)
     )
     zp = np.broadcast_to(zp, s.shape)
-    return (s[:, gi] * (q - zp[:, gi])).T  # §5.3, back to [K, N]
+    return (s[:, gi] * (q - zp[:, gi])).T  # "compressed-tensors dequantization", back to [K, N]
 
 
 def unperm(x: np.ndarray, perm: np.ndarray) -> np.ndarray:
-    """Undo x'[c + t] = x[c + perm[t]] on consecutive chunks of len(perm) (FORMATS §3.1 scale permutation)."""
+    """Undo x'[c + t] = x[c + perm[t]] on consecutive chunks of len(perm) (docs/marlin.md, "Scale
+    permutations")."""
     flat = x.reshape(-1, perm.size)
     out = np.empty_like(flat)
     out[:, perm] = flat
@@ -150,7 +155,8 @@ SCALE_PERM_SINGLE = 2 * (np.arange(32) // 8) + np.array([0, 1, 8, 9, 16, 17, 24,
 
 
 def ref_marlin(t: dict, p: str, qc: dict) -> np.ndarray:
-    """4-bit closed form of §3.1 (AutoGPTQ / candle-vllm B and s), plus §3.2's perm, sorted g_idx and zp."""
+    """4-bit "Closed form" of docs/marlin.md (AutoGPTQ / candle-vllm B and s), plus its "Act-order" perm and
+    sorted g_idx and its "Zero points" zp."""
     b, s = u32(t[f"{p}.B"]).astype(np.int64), t[f"{p}.s"].float().numpy()
     k, n = 16 * b.shape[0], s.shape[1]
     q = np.zeros((k, n), dtype=np.int64)
@@ -171,7 +177,8 @@ def ref_marlin(t: dict, p: str, qc: dict) -> np.ndarray:
         q, g = natural, np.empty_like(g)
         g[perm] = t[f"{p}.g_idx"].numpy()
     z = np.full(s.shape, 8)
-    if f"{p}.zp" in t:  # packed along N, interleaved within 8, scale_perm on chunks of 64 (§3.2)
+    # packed along N, interleaved within 8, scale_perm on chunks of 64 (docs/marlin.md, "Zero points")
+    if f"{p}.zp" in t:
         z = unperm(unperm(np_unpack(u32(t[f"{p}.zp"]), 4, 1, n), np.array(AWQ_ORDER)), SCALE_PERM)
     return gather(s, z, g, q)
 
@@ -255,7 +262,8 @@ def test_reader_reads_what_detect_rejects(tmp_path, fmt, kw, gap):
         for p, w in weights.items():
             assert_same(ck.read_linear(p), w)
     if fmt == "compressed-tensors":
-        np.testing.assert_array_equal(  # and 3-bit word packing is 10 values per word, 2 bits unused (§5.2)
+        # and 3-bit word packing is 10 values per word, 2 bits unused ("compressed-tensors packing")
+        np.testing.assert_array_equal(
             ck.read_linear(Q).dequantize().numpy(),
             ref_ct_word(raw(d), Q, scheme.bits).astype(np.float32),
         )
@@ -274,7 +282,7 @@ def test_detect_classifies_every_written_dir(tmp_path, fmt, kw, gap):
     assert detect(write(tmp_path, fmt, {Q: qw(**kw)})).format == fmt
 
 
-# ---- what vLLM / transformers / candle-vllm load (FORMATS §1.2, §2.2, §3.3, §5.1, §5.2) -----------
+# ---- what vLLM / transformers / candle-vllm load ("GPTQ", "AWQ", "Marlin", "compressed-tensors") ------
 
 G = 32
 INTEROP = [  # format, qw kwargs, {suffix: (dtype, shape)}, required config keys
@@ -367,7 +375,7 @@ def test_written_tensors_and_config_are_what_consumers_load(tmp_path, fmt, kw, t
         assert {k: group["weights"][k] for k in want} == want
     if fmt in ("gptq", "marlin"):
         assert json.loads((d / "quantize_config.json").read_text()) == qc
-    if fmt == "gptq" and qc["sym"]:  # symmetric v1 zeros are 7 per nibble (§1.4)
+    if fmt == "gptq" and qc["sym"]:  # symmetric v1 zeros are 7 per nibble ("GPTQ zero points")
         assert (u32(raw(d)[f"{Q}.qzeros"]) == 0x77777777).all()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (d / name).read_text() == (tmp_path / "src" / name).read_text()
@@ -400,7 +408,8 @@ def np_pack_cols(v: np.ndarray) -> np.ndarray:
 
 
 def test_asymmetric_v1_zeros_use_whole_word_arithmetic(tmp_path, caplog):
-    """GPTQModel exports asymmetric v1 as packed(z) - 0x11111111 per word, borrows included (§1.4)."""
+    """GPTQModel exports asymmetric v1 as packed(z) - 0x11111111 per word, borrows included
+    ("GPTQ zero points")."""
     w = qw(sym=False)
     z = w.zeros.numpy().copy()
     z[:, 0] = 0  # a zero of 0 in slot 0 borrows from slot 1 of the same word
@@ -430,7 +439,8 @@ def test_asymmetric_v1_zeros_use_whole_word_arithmetic(tmp_path, caplog):
 
 
 def test_missing_checkpoint_format_with_v2_content_reads_as_v2(tmp_path):
-    """§1.4 content heuristic: symmetric 4-bit qzeros all 0x88888888 without checkpoint_format are raw zeros."""
+    """The content heuristic of "GPTQ zero points": symmetric 4-bit qzeros all 0x88888888 without
+    checkpoint_format are raw zeros."""
     w = qw()
     d = write(tmp_path, "gptq", {Q: w}, checkpoint_format="gptq_v2")
     config = json.loads((d / "config.json").read_text())
@@ -458,8 +468,8 @@ def test_awq_interleave_against_a_hand_built_word(tmp_path):
 
 
 def test_awq_gemv_layout(tmp_path):
-    """GEMV: qweight [N, K/8] natural order, qzeros [N, Wz] and scales [N, 8*Wz] padded along groups (§2.3);
-    G = 32 rounds Wz up to a multiple of 4 (AutoAWQ calculate_zeros_width)."""
+    """GEMV: qweight [N, K/8] natural order, qzeros [N, Wz] and scales [N, 8*Wz] padded along groups
+    ("AWQ GEMV and GEMV_FAST"); G = 32 rounds Wz up to a multiple of 4 (AutoAWQ calculate_zeros_width)."""
     w = qw(sym=False, group=32)
     z = np.zeros((N, 32), dtype=np.int64)
     z[:, :4] = w.zeros.numpy().T
@@ -478,7 +488,8 @@ def test_awq_gemv_layout(tmp_path):
 
 
 def test_ct_is_gptq_transposed(tmp_path):
-    """§5.4: weight_packed^T = qweight, weight_scale^T = scales, weight_zero_point^T = v2 qzeros, g_idx equal."""
+    """Per "compressed-tensors and GPTQ": weight_packed^T = qweight, weight_scale^T = scales,
+    weight_zero_point^T = v2 qzeros, g_idx equal."""
     w = qw(sym=False, act=True)
     g = raw(write(tmp_path, "gptq", {Q: w}))
     c = raw(write(tmp_path, "compressed-tensors", {Q: w}))
@@ -504,8 +515,9 @@ def test_layer_split_across_shards(tmp_path):
 
 
 def test_gptqmodel_dynamic_overrides_and_skips(tmp_path):
-    """`dynamic`: '-:' leaves a module dense (§1.1); with per-module rules bits and group size follow the shapes
-    (§6.2 step 5): down_proj is 8-bit group 64 although the rule matching it states neither."""
+    """`dynamic`: '-:' leaves a module dense ("GPTQ dynamic rules"); with per-module rules bits and group size
+    follow the shapes ("Telling layouts apart"): down_proj is 8-bit group 64 although the rule matching it
+    states neither."""
     q4, q8 = qw(), qw(bits=8, group=64, seed=2)
     t = raw(write(tmp_path, "gptq", {Q: q4})) | {
         k.replace(Q, DOWN): v

@@ -143,7 +143,8 @@ def test_triton_gemm_explicit_configs(config, k, group, act):
 
 
 def test_triton_8bit_zero_points_and_3d_input():
-    """Asymmetric 8-bit is not a vLLM Marlin type, but the layout is defined (FORMATS §3.2), so it is kept."""
+    """Asymmetric 8-bit is not a vLLM Marlin type, but the layout is defined (docs/marlin.md, "Zero points"),
+    so it is kept."""
     mw = make_weight(128, 64, 64, bits=8)
     zp = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
     mw = dataclasses.replace(mw, zeros=marlin_zero_points(zp, 128, 64, 8))

@@ -31,7 +31,8 @@ _CHUNK_ELEMENTS = 1 << 24  # rows of x per module_fn call, so attention over man
 
 @dataclass(frozen=True)
 class AWQQuantizer(GroupQuantizer):
-    """AWQ's min/max quantizer (FORMATS §2.2): unlike GPTQ's, the range is not widened to include 0.
+    """AWQ's min/max quantizer (docs/quantized-checkpoints.md, "AWQ quantizer"): unlike GPTQ's, the range is
+    not widened to include 0.
 
     sym=False (AutoAWQ zero_point=True): scale = max(max - min, 1e-5)/maxq, zero = clamp(-round(min/scale)).
     sym=True (zero_point=False): scale = max|w|/(2^(b-1) - 1), zero 2^(b-1).

@@ -2,7 +2,8 @@
 
 Follows the reference algorithm (IST-DASLab/gptq gptq.py, AutoGPTQ auto_gptq/quantization/gptq.py): Hessian
 H = 2/n Σ x xᵀ, dampening, the upper Cholesky factor of H⁻¹, lazy block updates, group parameters fixed when
-the column sweep enters a group, optional act-order (FORMATS §1.6) and static groups.
+the column sweep enters a group, optional act-order (docs/quantized-checkpoints.md, "GPTQ act-order and
+g_idx") and static groups.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ class GPTQ:
     ) -> GPTQResult:
         """Quantize w [N, K] (nn.Linear layout) against the accumulated Hessian; frees the Hessian.
 
-        act_order processes columns by decreasing diag(H), forming groups in that order (g_idx records them,
-        FORMATS §1.6); static_groups fixes every group's parameters up front on the natural column order,
-        so that g_idx stays trivial (and is dropped). keep_hessian leaves H in place for another linear that
-        reads the same input (q/k/v, gate/up); otherwise it is freed.
+        act_order processes columns by decreasing diag(H), forming groups in that order (g_idx records them;
+        docs/quantized-checkpoints.md, "GPTQ act-order and g_idx"); static_groups fixes every group's
+        parameters up front on the natural column order, so that g_idx stays trivial (and is dropped).
+        keep_hessian leaves H in place for another linear that reads the same input (q/k/v, gate/up);
+        otherwise it is freed.
 
         Raises:
             ConfigError: bad bits/group_size, K not a multiple of group_size, or no calibration data.

@@ -1,4 +1,5 @@
-"""config.json, generation_config.json and README.md for an HF checkpoint, from a GGUF's metadata (FORMATS §4.2)."""
+"""config.json, generation_config.json and README.md for an HF checkpoint, from a GGUF's metadata
+(docs/gguf.md, "Llama metadata keys")."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def _llama3_factors(factor: float, low: float, high: float, orig: int, theta: fl
 
 
 def _rope_scaling_from_freqs(factors: np.ndarray, theta: float, dim: int) -> dict[str, Any] | None:
-    """Recover HF's llama3 rope_scaling from llama.cpp's baked `rope_freqs.weight` (FORMATS §4.2): try the
-    published Llama-3.1/3.2 settings; the factors pin down `factor` (their maximum) directly."""
+    """Recover HF's llama3 rope_scaling from llama.cpp's baked `rope_freqs.weight` (docs/gguf.md, "Llama 3
+    rope_freqs"): try the published Llama-3.1/3.2 settings; the factors pin down `factor` (their maximum)
+    directly."""
     factor = float(factors.max())
     for orig in (8192, 4096, 16384, 32768, 131072):
         for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):

@@ -1,6 +1,7 @@
 """Rebuild an HF fast tokenizer (tokenizer.json + tokenizer_config.json) from a GGUF's tokenizer metadata.
 
-Target: the HF tokenizer gives the same ids as llama.cpp on the same GGUF (FORMATS.md §4.3). Byte-level BPE
+Target: the HF tokenizer gives the same ids as llama.cpp on the same GGUF (docs/gguf.md, "How the HF
+tokenizer and llama.cpp agree"). Byte-level BPE
 ("gpt2") uses llama.cpp's split regexes for `tokenizer.ggml.pre` (pretokenizers.py); SentencePiece ("llama")
 becomes the BPE-with-byte-fallback layout transformers itself writes for Llama-2 (convert_slow_tokenizer.py).
 """

@@ -1,4 +1,7 @@
-"""AWQ GEMM writer: qweight/qzeros packed along N with AutoAWQ's interleave, raw zeros (FORMATS §2.2)."""
+"""AWQ GEMM writer: qweight/qzeros packed along N with AutoAWQ's interleave, raw zeros.
+
+Section names refer to docs/quantized-checkpoints.md ("AWQ GEMM layout").
+"""
 
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ class AWQEncoder(LayerEncoder):
 
     def quantization_config(self, left_dense: list[str]) -> dict[str, Any]:
         assert self.first is not None
-        # transformers' key names, as AutoAWQ writes them (§2.1); vLLM also accepts w_bit/q_group_size
+        # transformers' key names, as AutoAWQ writes them ("AWQ configuration"); vLLM also accepts
+        # w_bit/q_group_size
         return {
             "quant_method": "awq",
             "bits": 4,

@@ -1,4 +1,7 @@
-"""compressed-tensors pack-quantized writer (llm-compressor's W4A16 layout, read by vLLM; FORMATS §5)."""
+"""compressed-tensors pack-quantized writer (llm-compressor's W4A16 layout, read by vLLM).
+
+Section names refer to docs/quantized-checkpoints.md ("compressed-tensors").
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from quantserve.kernels.qweight import QuantizedWeight
 class CTEncoder(LayerEncoder):
     """weight_packed [N, K*b/32] is the GPTQ qweight transposed, weight_scale [N, groups] the scales transposed,
     weight_zero_point [N*b/32, groups] the unsigned zeros packed along N (asymmetric only), weight_g_idx with
-    actorder "group" (§5.2, §5.4). Stored values are signed + 2^(b-1), i.e. exactly the unsigned values."""
+    actorder "group" ("compressed-tensors tensors", "compressed-tensors and GPTQ"). Stored values are
+    signed + 2^(b-1), i.e. exactly the unsigned values."""
 
     def __init__(self, options: WriteOptions):
         super().__init__(options)

@@ -1,4 +1,7 @@
-"""GPTQ writer: qweight/qzeros/scales/g_idx as AutoGPTQ, GPTQModel, transformers and vLLM expect (FORMATS §1)."""
+"""GPTQ writer: qweight/qzeros/scales/g_idx as AutoGPTQ, GPTQModel, transformers and vLLM expect.
+
+Section names refer to docs/quantized-checkpoints.md ("GPTQ").
+"""
 
 from __future__ import annotations
 
@@ -35,8 +38,9 @@ def dense_rules(left_dense: list[str]) -> dict[str, dict[str, Any]]:
 @register_writer("gptq")
 class GPTQEncoder(LayerEncoder):
     """v1 for symmetric weights (every consumer reads it), gptq_v2 for asymmetric ones unless v1 is requested:
-    v1's zeros-minus-one wraps for a zero of 0 (§1.4). v1 zeros are written with GPTQModel's whole-word
-    subtraction, which the reader's whole-word addition undoes exactly; for symmetric zeros it is per slot."""
+    v1's zeros-minus-one wraps for a zero of 0 ("GPTQ zero points"). v1 zeros are written with GPTQModel's
+    whole-word subtraction, which the reader's whole-word addition undoes exactly; for symmetric zeros it is
+    per slot."""
 
     def __init__(self, options: WriteOptions):
         super().__init__(options)
@@ -65,7 +69,8 @@ class GPTQEncoder(LayerEncoder):
             (f"{prefix}.qweight", pack(w.qweight, w.bits, dim=0)),
             (f"{prefix}.qzeros", qzeros),
             (f"{prefix}.scales", scales),
-            # AutoGPTQ writes g_idx even without act-order (the trivial i // G); vLLM's loaders expect it (§1.2)
+            # AutoGPTQ writes g_idx even without act-order (the trivial i // G); vLLM's loaders expect it
+            # ("GPTQ tensors")
             (f"{prefix}.g_idx", w.groups().to(torch.int32)),
         ]
         if bias is not None:
@@ -97,5 +102,6 @@ class GPTQEncoder(LayerEncoder):
         return qc
 
     def extra_json(self, qc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        # older AutoGPTQ and vLLM's --quantization path read quantize_config.json (§1.1, §6.4)
+        # older AutoGPTQ and vLLM's --quantization path read quantize_config.json
+        # ("GPTQ files and configuration", "Detection pitfalls")
         return {"quantize_config.json": qc}

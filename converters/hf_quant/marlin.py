@@ -3,7 +3,7 @@
 Names: `B` (marlin_repack output), `s` (permuted scales), `bias` (natural order), and beyond AutoGPTQ's plain
 4-bit symmetric case: `g_idx` (sorted) + `perm` (argsort of the original g_idx) for act-order, `zp`
 (marlin_zero_points layout) for asymmetric 4-bit. For plain 4-bit symmetric G in {128, -1} the directory is
-what AutoGPTQ and candle-vllm read (FORMATS §3.1, §3.3).
+what AutoGPTQ and candle-vllm read (docs/marlin.md, "Serialized Marlin checkpoints").
 """
 
 from __future__ import annotations

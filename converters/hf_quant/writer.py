@@ -4,7 +4,7 @@
 (one layer in memory at a time), then writes config.json with the format's quantization_config and copies the
 tokenizer files, so the result is a complete model. Everything is written into a staging directory that
 replaces `dst` only on success (formats/staging.py). Each format is one module of this package that registers
-a `LayerEncoder` here. Section numbers refer to /work/shared/FORMATS.md.
+a `LayerEncoder` here. Section names refer to docs/quantized-checkpoints.md.
 """
 
 from __future__ import annotations
@@ -46,12 +46,13 @@ class WriteOptions:
 
     Attributes:
         checkpoint_format: GPTQ only: "gptq" (v1, zeros minus one) or "gptq_v2" (raw zeros); None = v1 for
-            symmetric weights, gptq_v2 for asymmetric ones (§1.4 writer recommendation).
+            symmetric weights, gptq_v2 for asymmetric ones ("GPTQ zero points").
         act_order: compressed-tensors only: write weight_g_idx for every layer (actorder "group"); None = as
             the first layer has it. Layers without g_idx then get the trivial one.
         scale_dtype: dtype of the written scales; None = float16 for GPTQ, AWQ and Marlin (what AutoGPTQ,
             AutoAWQ and candle-vllm write), the given float16/bfloat16 for compressed-tensors (model dtype).
-        ct_version: compressed-tensors `version` to record; < 0.18 means word packing for 3-bit (§5.2).
+        ct_version: compressed-tensors `version` to record; < 0.18 means word packing for 3-bit
+            ("compressed-tensors packing").
         modules_to_not_convert: linears left dense on purpose (AWQ modules_to_not_convert, CT ignore, GPTQ
             `-:` dynamic rules); dense 2-D weights of a quantized module kind are added automatically.
         damp_percent, true_sequential, static_groups, quantizer: GPTQ provenance for the config.
@@ -269,7 +270,7 @@ def write_quantized(
                 quantized.append(prefix)
             for name, t in dense:
                 if tied and name == "lm_head.weight":
-                    continue  # safetensors cannot share storage; loaders re-tie it (§6.4)
+                    continue  # safetensors cannot share storage; loaders re-tie it ("Detection pitfalls")
                 if not t.is_floating_point():
                     raise ConfigError(f"dense tensor '{name}' is {t.dtype}; dense tensors must be float")
                 out.add(name, t)

@@ -1,4 +1,5 @@
-"""HF model directories: read JSON configs and find the quantization config in the order vLLM and FORMATS.md use."""
+"""HF model directories: read JSON configs and find the quantization config in the order vLLM uses
+(docs/quantized-checkpoints.md, "Where the quantization config is found")."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ def read_json_object(path: Path) -> dict[str, Any]:
 def find_quant_config(
     config: dict[str, Any] | None, directory: Path, st_metadata: Mapping[str, str]
 ) -> tuple[dict[str, Any] | None, str]:
-    """The quantization config and where it was found, in the order of FORMATS.md §6.2 step 3."""
+    """The quantization config and where it was found, in the order of docs/quantized-checkpoints.md,
+    "Where the quantization config is found"."""
     config = config or {}
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     cfg = directory / "config.json"

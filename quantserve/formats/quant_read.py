@@ -1,7 +1,8 @@
 """Read quantized HF checkpoints (GPTQ, AWQ, compressed-tensors, Marlin) as QuantizedWeights plus dense tensors.
 
 `open_quantized(path)` detects the format, resolves every tensor through the shard index (one layer's tensors
-may sit in different shards, FORMATS.md §6.4), and reads tensors with `safetensors.safe_open` (no pickle).
+may sit in different shards: docs/quantized-checkpoints.md, "Detection pitfalls"), and reads tensors with
+`safetensors.safe_open` (no pickle).
 Which tensors form a quantized linear is decided by the tensors themselves (a `qweight`, `B` or
 `weight_packed`); everything else (embeddings, norms, lm_head, `ignore`d / `modules_to_not_convert` /
 GPTQModel `-:` layers) is dense. The per-layer settings come from the scheme detect() parsed (its `layer`).
@@ -98,7 +99,8 @@ class QuantCheckpoint:
 
     def read_bias(self, prefix: str, *, drop_zero: bool = False) -> torch.Tensor | None:
         """The linear's bias, or None. drop_zero: also None for an all-zero bias, which AutoGPTQ <= 0.7.1 wrote
-        for every projection of bias-free architectures (FORMATS.md §6.4)."""
+        for every projection of bias-free architectures (docs/quantized-checkpoints.md, "Detection
+        pitfalls")."""
         name = f"{prefix}.bias"
         if name not in self._file:
             return None

@@ -1,7 +1,7 @@
 """Decode one quantized linear's checkpoint tensors (GPTQ, AWQ, compressed-tensors, Marlin) into a QuantizedWeight.
 
 Pure functions over tensors already in memory: the reader (quant_read.py) finds the tensors and the per-layer
-settings, these turn them into the canonical form. Section numbers refer to /work/shared/FORMATS.md.
+settings, these turn them into the canonical form. Section names refer to docs/quantized-checkpoints.md.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 Get = Callable[[str], torch.Tensor | None]  # tensor suffix ("qweight") -> this layer's tensor, or None
 
-# AWQ GEMM interleave (§2.2): slot p of a word holds logical column 8c + AWQ_ORDER[p]; column 8c + j sits in
-# slot AWQ_INV[j] (AutoAWQ's AWQ_REVERSE_ORDER, vLLM's undo_pack).
+# AWQ GEMM interleave ("AWQ GEMM layout"): slot p of a word holds logical column 8c + AWQ_ORDER[p];
+# column 8c + j sits in slot AWQ_INV[j] (AutoAWQ's AWQ_REVERSE_ORDER, vLLM's undo_pack).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_INV = (0, 4, 1, 5, 2, 6, 3, 7)
 
@@ -34,11 +34,11 @@ class LayerQuant:
     compressed-tensors `config_groups`).
 
     zero_format: GPTQ only: "v1" (zeros minus one), "v2" (raw) or "auto" (no checkpoint_format given: v1
-    unless the stored symmetric zeros are already 2^(bits-1), §1.4 content heuristic).
+    unless the stored symmetric zeros are already 2^(bits-1): the content heuristic of "GPTQ zero points").
     packing: compressed-tensors only: "word" (32 // bits values per word, compressed-tensors < 0.18) or
-    "dense" (bitstream, >= 0.18); "auto" picks by the tensor width (§5.2).
-    from_shapes: derive bits and group size from the tensor shapes when they disagree with the config (§6.2
-    step 5, used with GPTQModel `dynamic`).
+    "dense" (bitstream, >= 0.18); "auto" picks by the tensor width ("compressed-tensors packing").
+    from_shapes: derive bits and group size from the tensor shapes when they disagree with the config
+    ("Telling layouts apart", used with GPTQModel `dynamic`).
     """
 
     bits: int
@@ -125,7 +125,8 @@ def v1_zero_words(qzeros: torch.Tensor, bits: int, sign: int) -> torch.Tensor:
     """Add (sign=+1, reading) or subtract (sign=-1, writing) one per slot as whole-word arithmetic mod 2^32.
 
     GPTQModel's v1<->v2 converters do exactly this, so borrows from a zero of 0 propagate and come back
-    (§1.4). For 3-bit the constant repeats every 3 words; it is the dense bitstream of ones (§1.3).
+    ("GPTQ zero points"). For 3-bit the constant repeats every 3 words; it is the dense bitstream of ones
+    ("GPTQ bit packing").
     """
     ones = _ones_words(bits)
     col = torch.arange(qzeros.shape[1]) % ones.numel()
@@ -133,7 +134,8 @@ def v1_zero_words(qzeros: torch.Tensor, bits: int, sign: int) -> torch.Tensor:
 
 
 def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """compressed-tensors < 0.18 packing: 32 // bits values per word, leftover bits unused (§5.2)."""
+    """compressed-tensors < 0.18 packing: 32 // bits values per word, leftover bits unused
+    ("compressed-tensors packing")."""
     pf = 32 // bits
     v = values.to(torch.int64)
     v = v.t() if dim == 0 else v
@@ -153,7 +155,7 @@ def unpack_words(words: torch.Tensor, bits: int, dim: int, count: int) -> torch.
     return v.t().contiguous() if dim == 0 else v.contiguous()
 
 
-# ---- GPTQ (§1.2-§1.6) ------------------------------------------------------------------------------
+# ---- GPTQ ("GPTQ") ---------------------------------------------------------------------------------
 
 
 def decode_gptq(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
@@ -195,12 +197,12 @@ def decode_gptq(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
         fmt = "v2" if lq.sym and bool((raw == 1 << (bits - 1)).all()) else "v1"
     if fmt == "v2":
         zeros = unpack(qzeros, bits, dim=1, count=n)
-    elif lq.sym:  # per slot; for symmetric zeros this agrees with the whole-word rule (§1.4)
+    elif lq.sym:  # per slot; for symmetric zeros it agrees with the whole-word rule ("GPTQ zero points")
         zeros = (unpack(qzeros, bits, dim=1, count=n) + 1) & ((1 << bits) - 1)
     else:
         logger.warning(
             "%s: asymmetric GPTQ v1 zeros read with whole-word +1 (exact for GPTQModel exports); AutoGPTQ "
-            "asymmetric v1 files may already be corrupt (FORMATS.md §1.4)",
+            "asymmetric v1 files may already be corrupt (docs/quantized-checkpoints.md, 'GPTQ zero points')",
             prefix,
         )
         zeros = unpack(v1_zero_words(qzeros, bits, +1), bits, dim=1, count=n)
@@ -210,7 +212,7 @@ def decode_gptq(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
     return _finish(prefix, QuantizedWeight(q, scales, zeros, bits, group, gi))
 
 
-# ---- AWQ (§2.2, §2.3) ------------------------------------------------------------------------------
+# ---- AWQ ("AWQ") -----------------------------------------------------------------------------------
 
 
 def decode_awq_gemm(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
@@ -233,7 +235,8 @@ def decode_awq_gemm(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
 
 
 def decode_awq_gemv(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
-    """GEMV keeps nn.Linear orientation, natural nibble order; zeros/scales are padded along groups (§2.3)."""
+    """GEMV keeps nn.Linear orientation, natural nibble order; zeros/scales are padded along groups
+    ("AWQ GEMV and GEMV_FAST")."""
     qweight = _int_tensor(_need(get, prefix, "qweight"), f"{prefix}.qweight")
     qzeros = _int_tensor(_need(get, prefix, "qzeros"), f"{prefix}.qzeros")
     scales = _need(get, prefix, "scales")
@@ -250,7 +253,7 @@ def decode_awq_gemv(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
     return _finish(prefix, QuantizedWeight(q, scales[:, :g].t().contiguous(), zeros, 4, lq.group_size))
 
 
-# ---- compressed-tensors pack-quantized (§5.2, §5.3) ------------------------------------------------
+# ---- compressed-tensors pack-quantized ("compressed-tensors") --------------------------------------
 
 
 def decode_compressed_tensors(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
@@ -294,7 +297,7 @@ def decode_compressed_tensors(prefix: str, get: Get, lq: LayerQuant) -> Quantize
             raise _error(
                 f"{prefix}.weight_zero_point", f"shape {list(zp.shape)}, expected [{zrows}, {scale.shape[1]}]"
             )
-        # stored = signed + 2^(b-1), which is the unsigned zero QuantizedWeight holds (§5.2, §5.4)
+        # stored = signed + 2^(b-1): the unsigned zero QuantizedWeight holds ("compressed-tensors and GPTQ")
         zeros = unpk(zp, bits, 0, n).t()
     elif not lq.sym:
         raise _error(f"{prefix}.weight_zero_point", "missing although the scheme is asymmetric")
@@ -303,7 +306,7 @@ def decode_compressed_tensors(prefix: str, get: Get, lq: LayerQuant) -> Quantize
     return _finish(prefix, QuantizedWeight(q, scale.t().contiguous(), zeros, bits, group, gi))
 
 
-# ---- Marlin (§3.1-§3.3) ----------------------------------------------------------------------------
+# ---- Marlin ("Marlin"; the layout is docs/marlin.md) -----------------------------------------------
 
 
 def decode_marlin(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:

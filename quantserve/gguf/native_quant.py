@@ -2,7 +2,8 @@
 importance matrices) and per-tensor `ggml_quantize_chunk` (the Q6_K output matrix of a direct Q4/Q5 file).
 
 The params struct is checked against llama-cpp-python 0.3.36's `llama_cpp.py` and the `llama.h` it vendors
-(FORMATS.md §4.8: it changed layout several times, so the pinned version matters).
+(it changed layout several times, so the pinned version matters: docs/gguf.md, "Why the llama-cpp-python
+version is pinned").
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ import numpy as np
 
 
 def qk_gguf_rows_for_hf(n_rows: int, n_head: int) -> np.ndarray:
-    """Row gather index that undoes llama.cpp's q/k permutation: `hf = gguf[idx]` (FORMATS.md §4.5).
+    """Row gather index that undoes llama.cpp's q/k permutation: `hf = gguf[idx]`.
+
+    See docs/gguf.md, "Q/K permutation".
 
     HF row h·D + r comes from GGUF row h·D + 2·(r mod D/2) + r // (D/2), D = n_rows // n_head.
     It moves whole rows, so it applies equally to float rows and to quantized row bytes.

@@ -46,7 +46,8 @@ class OutTensor:
 def _loader(source: SafetensorsSource, hf_name: str, heads: int | None) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         x = source.read(hf_name)
-        # llama.cpp's LlamaModel.permute: rotate-half rows -> interleaved pairs (FORMATS.md §4.5)
+        # llama.cpp's LlamaModel.permute: rotate-half rows -> interleaved pairs
+        # (docs/gguf.md, "Q/K permutation")
         return x if heads is None else x[qk_hf_rows_for_gguf(x.shape[0], heads)]
 
     return load

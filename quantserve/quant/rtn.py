@@ -34,7 +34,8 @@ def check_quant_args(k: int, bits: int, group_size: int, name: str = "weight") -
 
 @dataclass(frozen=True)
 class GroupQuantizer:
-    """Uniform per-group, per-output-channel quantizer of GPTQ (FORMATS §1.4, AutoGPTQ quantizer.py).
+    """Uniform per-group, per-output-channel quantizer of GPTQ (docs/quantized-checkpoints.md,
+    "GPTQ quantizer"; AutoGPTQ quantizer.py).
 
     Scales are rounded to `scale_dtype` *before* the weights are quantized, so that `scale * (q - zero)` here
     is bit-for-bit what `QuantizedWeight.dequantize()` computes from the stored scales (GPTQ feeds the error
@@ -55,7 +56,7 @@ class GroupQuantizer:
         xmin = w.amin(-1, keepdim=True).clamp(max=0)
         xmax = w.amax(-1, keepdim=True).clamp(min=0)
         if self.sym:
-            # FORMATS §1.4: scale = 2·max(|xmin|, xmax)/maxq, also when xmin is 0 (the reference then uses
+            # "GPTQ quantizer": scale = 2·max(|xmin|, xmax)/maxq, also when xmin is 0 (the reference then uses
             # xmax/maxq with zero 2^(b-1), which clips the upper half of an all-positive group).
             xmax = torch.maximum(-xmin, xmax)
             xmax = torch.where(xmax == 0, torch.ones_like(xmax), xmax)  # all-zero group: any scale works

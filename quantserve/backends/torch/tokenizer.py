@@ -2,9 +2,10 @@
 
 The ids come from the `tokenizers` library. Everything around them follows what llama.cpp does with the GGUF
 that llama.cpp's convert_hf_to_gguf.py (or our quantserve/gguf/tokenizer.py) makes from the same files, so
-that both backends agree on a model (FORMATS.md §4.3): which tokens are control tokens, the bytes each token
-stands for (`llama_token_to_piece` with special=false: control tokens print nothing), and which tokens end
-generation (llama-vocab.cpp `load`, which picks them by their text).
+that both backends agree on a model (docs/gguf.md, "How the HF tokenizer and llama.cpp agree"): which
+tokens are control tokens, the bytes each token stands for (`llama_token_to_piece` with special=false: control
+tokens print nothing), and which tokens end generation (llama-vocab.cpp `load`, which picks them by their
+text).
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def _fill_dense(
     if model.args.tie_word_embeddings or "lm_head.weight" not in names:
         params.pop("lm_head.weight", None)
         if "lm_head.weight" not in names and not model.args.tie_word_embeddings:
-            # FORMATS §6.4: a missing tie_word_embeddings defaults differ per class; the file decides.
+            # a missing tie_word_embeddings defaults differ per class; the file decides
+            # (docs/quantized-checkpoints.md, "Detection pitfalls").
             log.info("no lm_head.weight in the checkpoint: the output layer shares the embeddings")
             model.lm_head.weight = model.model.embed_tokens.weight
     wanted = {n: p for n, p in params.items() if n not in skip}

@@ -15,7 +15,7 @@ from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
 
-# Outside the layers, identical for every registered arch (FORMATS.md §4.4).
+# Outside the layers, identical for every registered arch (docs/gguf.md, "Tensor names").
 GLOBAL_TENSORS = (
     ("model.embed_tokens.weight", "token_embd.weight"),
     ("model.norm.weight", "output_norm.weight"),
@@ -56,7 +56,8 @@ class ArchSpec:
     gguf_arch: `general.architecture`.
     hf_model_types: config.json `model_type` values converted to this arch; the first is written back.
     hf_architecture: config.json `architectures[0]` written by GGUF→HF.
-    permute_qk: llama.cpp's `undo_permute` (FORMATS.md §4.5): q/k rows are interleaved in the GGUF.
+    permute_qk: llama.cpp's `undo_permute` (docs/gguf.md, "Q/K permutation"): q/k rows are interleaved in
+        the GGUF.
     llama_kv: also write `{arch}.vocab_size` and `rope.dimension_count`, as llama.cpp's LlamaModel does.
     """
 
