@@ -1,4 +1,8 @@
-"""Safe pure-Python GGUF reader: validates header, metadata and tensor table before any C code sees the file."""
+"""Safe pure-Python GGUF reader: validates header, metadata and tensor table before any C code sees the file.
+
+Longer than most modules on purpose: every bound an untrusted file could break is checked here, in one place,
+so that a reader can see that nothing reaches llama.cpp unchecked.
+"""
 
 from __future__ import annotations
 

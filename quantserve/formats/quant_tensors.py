@@ -2,6 +2,9 @@
 
 Pure functions over tensors already in memory: the reader (quant_read.py) finds the tensors and the per-layer
 settings, these turn them into the canonical form. Section names refer to docs/quantized-checkpoints.md.
+The decoders of the four layouts stay side by side in this one file on purpose: they share the word arithmetic
+and the error wording, and their conventions (packing axis, zero-point form) are easiest to check against each
+other.
 """
 
 from __future__ import annotations

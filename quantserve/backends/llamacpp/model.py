@@ -1,4 +1,8 @@
-"""LlamaCppRunner: one llama.cpp model and one multi-sequence context; executes scheduled batches."""
+"""LlamaCppRunner: one llama.cpp model and one multi-sequence context; executes scheduled batches.
+
+One class over llama.cpp's C API (model, context, batch, per-sequence samplers, an embedding context): it owns
+native memory, so its whole lifetime stays in one file.
+"""
 
 from __future__ import annotations
 
