@@ -7,6 +7,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
 from quantserve.chat.formats import ToolFormat
 from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.multimodal import Image, ImageSpan, expand_images
+from quantserve.core.runner import VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
@@ -52,6 +55,7 @@ class LLM:
         self.info = info  # ModelInfo: architecture, size, format, backend
         self.n_ctx = runner.n_ctx
         self.n_vocab = runner.n_vocab
+        self.vision: VisionSpec | None = getattr(runner, "vision", None)  # None: text only
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
@@ -127,18 +131,44 @@ class LLM:
     def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
         return self._template().render(messages, add_generation_prompt=True, **extra)
 
-    def prepare_chat(self, request: ChatRequest) -> tuple[ChatPrompt, list[int]]:
-        """The prompt of a chat (its tools in the model's own tool-call format) and its tokens; the prompt also
-        carries the grammar for the reply and makes the parser that reads tool calls out of it.
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
+    def prepare_chat(
+        self, request: ChatRequest, images: Seq[Image] = ()
+    ) -> tuple[ChatPrompt, list[int], list[ImageSpan]]:
+        """The prompt of a chat (its tools in the model's own tool-call format), its tokens, and where its images
+        sit among them; the prompt also carries the grammar for the reply and makes the parser that reads tool
+        calls out of it. `images` are the request's, in the order of the `{"type": "image"}` parts of its messages.
 
         Raises:
             ChatTemplateError: the model has no template, or it rejects these messages.
-            InvalidRequestError: a response schema or tool schema the grammar engine cannot take.
+            InvalidRequestError: a response schema or tool schema the grammar engine cannot take; images the
+                template did not place.
         """
         special = self.guides.special if request.calls_tools else {}
         fmt = self._format if request.needs_format else None
         prompt = build_prompt(self._template(), fmt, request, special)
-        return prompt, self.tokenize_prompt(prompt.text, chat=True)
+        tokens = self.tokenize_prompt(prompt.text, chat=True)
+        if self.vision is None:
+            return prompt, tokens, []
+        marks = tokens.count(self.vision.image_token)
+        if marks != len(images):
+            mark = self._runner.token_bytes(self.vision.image_token, special=True).decode("utf-8", "replace")
+            raise InvalidRequestError(
+                f"the prompt holds {marks} image markers ({mark!r}) for {len(images)} images"
+                + (
+                    f"; remove {mark!r} from the text, where it stands for an image"
+                    if marks > len(images)
+                    else "; the model's chat template did not place every image (send images in user messages)"
+                ),
+                param="messages",
+            )
+        tokens, spans = expand_images(
+            tokens, self.vision.image_token, list(images), self.vision.tokens_per_image
+        )
+        return prompt, tokens, spans
 
     @property
     def tool_format(self) -> str | None:
@@ -186,14 +216,20 @@ class LLM:
     # ---- generation ---------------------------------------------------------------------------
 
     def generate(
-        self, prompt_tokens: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_tokens: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: list[ImageSpan] | None = None,
     ) -> RequestStream:
+        """Stream the continuation of `prompt_tokens`; `images` as prepare_chat placed them."""
         seq = Sequence(
             request_id=request_id or uuid.uuid4().hex,
             prompt_tokens=prompt_tokens,
             params=params,
             detokenizer=IncrementalDetokenizer(params.stop),
             max_total_tokens=self.n_ctx,
+            images=list(images or ()),
         )
         self._runner.check_params(params)
         if params.grammar is not None:
@@ -202,7 +238,7 @@ class LLM:
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
         """Stream the assistant's reply to OpenAI-style messages; `sampling` takes SamplingParams' fields."""
-        prompt, tokens = self.prepare_chat(ChatRequest(messages))
+        prompt, tokens, _ = self.prepare_chat(ChatRequest(messages))
         params = self.sampling_params(
             **{**sampling, "max_tokens": self.check_context(len(tokens), sampling.get("max_tokens"))}
         )

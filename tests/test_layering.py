@@ -19,7 +19,7 @@ LAYERS = (
     ("errors", "kernels"),  # kernels import nothing from quantserve
     ("formats", "structured", "registry"),
     ("quant", "gguf", "core", "chat"),
-    ("insitu",),
+    ("insitu", "vision"),
     ("backends",),
     ("engine",),
     ("llm",),

@@ -22,7 +22,9 @@ from quantserve.structured import Grammar, check, json_schema_grammar
 class ChatRequest:
     """What a chat asks for, independent of the API it came through.
 
-    `messages` are OpenAI-style dicts with string content; an assistant message's `tool_calls` hold their
+    `messages` are OpenAI-style dicts with string content (a user message with images: a list of
+    `{"type": "text", "text"}` and `{"type": "image"}` parts, as transformers' processors give them to templates);
+    an assistant message's `tool_calls` hold their
     arguments as JSON text, a `tool` message names its call in `tool_call_id`.
     """
 

@@ -53,6 +53,17 @@ class DropKV:
     start: int = 0
 
 
+@dataclass(frozen=True)
+class VisionSpec:
+    """A runner that takes images: the chat template marks each image with `image_token` (a special token of the
+    model's own vocabulary), and the runner needs that token repeated `tokens_per_image` times in the prompt, one
+    position for each embedding its vision encoder produces (quantserve.core.multimodal)."""
+
+    image_token: int
+    tokens_per_image: int
+    image_size: int  # pixels: the side of the square the encoder sees
+
+
 class Tokenizer(Protocol):
     """What the engine and the LLM API ask of a model's tokenizer."""
 
@@ -73,6 +84,7 @@ class ModelRunner(Tokenizer, Protocol):
     n_ctx: int  # longest sequence (prompt + output) the runner accepts
     n_vocab: int
     kv_spec: KVSpec
+    vision: VisionSpec | None  # None: text only
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise InvalidRequestError now if this backend cannot honour `params`."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.multimodal import ImageSpan
 from quantserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,9 +78,21 @@ class Sequence:
     pending_tokens: list[int] = field(default_factory=list)  # sampled but not yet sent (text held back)
     guide: Guide | None = None  # the grammar its output must follow (params.grammar), if any
     stop_hit: str | None = None  # the stop string that ended it
+    images: list[ImageSpan] = field(default_factory=list)  # images in the prompt, in order
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_tokens)
+
+    @property
+    def cache_tokens(self) -> list:
+        """`tokens` as the KV prefix caches compare them: an image's placeholder tokens become (digest, index)
+        pairs, so that a cached prefix matches only the same images."""
+        if not self.images:
+            return self.tokens
+        out: list = list(self.tokens)
+        for span in self.images:
+            out[span.offset : span.end] = [(span.image.digest, j) for j in range(span.length)]
+        return out
 
     @property
     def num_prompt_tokens(self) -> int:

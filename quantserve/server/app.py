@@ -35,7 +35,7 @@ def create_app(
 ) -> FastAPI:
     """Build the app. Without `llm`, the model named in settings loads in the background at startup, and the API
     answers 503 until it is ready (GET /ready says when)."""
-    state = ServerState()
+    state = ServerState(media=settings.media_policy())
 
     def load() -> None:
         try:
@@ -84,10 +84,12 @@ def create_app(
     app.include_router(anthropic_routes.router)
 
     @app.get("/health")
+    @app.get("/healthz")  # the Kubernetes names, as the vision-language server had them
     async def health():
         return {"status": "ok"}
 
     @app.get("/ready")
+    @app.get("/readyz")
     async def ready():
         if state.llm is not None:
             return {"status": "ready", "model": state.llm.name}
@@ -128,6 +130,7 @@ def create_app(
                 "backend": info.backend,
                 "has_chat_template": llm_.chat_template is not None,
                 "tool_format": llm_.tool_format,  # how its template writes tool calls (hermes, llama3, …)
+                "input_modalities": ["text", "image"] if llm_.takes_images else ["text"],
             },
         }
 

@@ -121,8 +121,9 @@ async def merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceO
             g.close()
 
 
-def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str):
-    """Submit n choices per prompt. Seeds differ per choice (seed + i) so choices are not identical."""
+def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str, images=None):
+    """Submit n choices per prompt. Seeds differ per choice (seed + i) so choices are not identical. `images`:
+    the ImageSpans of a single prompt (a chat's)."""
     gens, choices = [], []
     try:
         for p_idx, tokens in enumerate(prompts):
@@ -130,7 +131,7 @@ def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid:
                 params = base
                 if n > 1 and base.seed is not None:
                     params = SamplingParams(**{**base.__dict__, "seed": base.seed + j})
-                gens.append(llm.generate(tokens, params, f"{rid}-{p_idx}-{j}"))
+                gens.append(llm.generate(tokens, params, f"{rid}-{p_idx}-{j}", images))
                 choices.append(Choice(index=len(choices), prompt_index=p_idx, num_prompt_tokens=len(tokens)))
     except BaseException:
         for g in gens:
@@ -139,9 +140,11 @@ def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid:
     return gens, choices
 
 
-def start_chat(llm: LLM, prompt: ChatPrompt, tokens: list[int], params: SamplingParams, n: int, rid: str):
+def start_chat(
+    llm: LLM, prompt: ChatPrompt, tokens: list[int], params: SamplingParams, n: int, rid: str, images=None
+):
     """Like start, for one chat: each choice gets its own reply parser when the reply may hold tool calls."""
-    gens, choices = start(llm, [tokens], params, n, rid)
+    gens, choices = start(llm, [tokens], params, n, rid, images)
     for c in choices:
         c.assembler = prompt.assembler()
     return gens, choices

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from quantserve.core.settings import EngineSettings
 from quantserve.registry import ResolvedModel, find_models_toml, load_registry, resolve
+from quantserve.vision.fetch import MediaPolicy
+from quantserve.vision.images import ImageLimits
 
 
 class ServerSettings(BaseModel):
@@ -59,7 +61,27 @@ class ServerSettings(BaseModel):
         default=1024, ge=0, description="responses kept for previous_response_id (/v1/responses; 0: none)"
     )
     max_body_bytes: int = Field(
-        default=8 * 1024 * 1024, ge=1024, description="largest request body (else 413)"
+        default=32 * 1024 * 1024, ge=1024, description="largest request body (else 413)"
+    )
+    max_image_bytes: int = Field(
+        default=20 * 1024 * 1024, ge=1, description="largest image, as a file (data: URI or fetched URL)"
+    )
+    max_images: int = Field(default=8, ge=0, description="images per request")
+    max_image_pixels: int = Field(
+        default=40_000_000, ge=1, description="pixels per image (a guard against decompression bombs)"
+    )
+    image_urls: bool = Field(
+        default=True,
+        description="fetch http(s) image URLs (never from loopback, private, link-local or metadata addresses); "
+        "off: images only as data: URIs",
+    )
+    allowed_media_domains: str | None = Field(
+        default=None,
+        description="fetch image URLs only from these comma-separated hosts and their subdomains (an IP address "
+        "listed here is allowed even if private)",
+    )
+    image_timeout: float = Field(
+        default=10.0, gt=0, description="seconds to connect to and read an image URL"
     )
     graceful_timeout: float = Field(
         default=30.0, ge=0, description="seconds in-flight requests get on SIGTERM"
@@ -67,6 +89,13 @@ class ServerSettings(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="log verbosity"
     )
+
+    def media_policy(self) -> MediaPolicy:
+        domains = tuple(d.strip().lower() for d in (self.allowed_media_domains or "").split(",") if d.strip())
+        limits = ImageLimits(self.max_image_bytes, self.max_images, self.max_image_pixels)
+        return MediaPolicy(
+            allow_urls=self.image_urls, allowed_domains=domains, timeout=self.image_timeout, limits=limits
+        )
 
     def resolve_model(self) -> tuple[ResolvedModel, EngineSettings]:
         resolved = resolve(self.model, load_registry(find_models_toml(self.models_file)))
@@ -77,5 +106,7 @@ class ServerSettings(BaseModel):
 # Fields the HTTP server reads itself; every other field is an engine setting, passed on by name.
 SERVER_ONLY = {
     "model", "models_file", "host", "port", "api_key", "no_cache", "responses_store_size", "max_body_bytes",
-    "graceful_timeout", "log_level",
+    "graceful_timeout", "log_level", "max_image_bytes", "max_images", "max_image_pixels",
+    "image_urls", "allowed_media_domains",
+    "image_timeout",
 }  # fmt: skip

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 
 from quantserve.errors import ModelLoadingError, ModelNotFoundError, QuantserveError
 from quantserve.llm import LLM
+from quantserve.server.content import ContentReader
 from quantserve.server.metrics import Metrics
+from quantserve.vision.fetch import MediaPolicy
 
 
 @dataclass
@@ -16,6 +18,11 @@ class ServerState:
     llm: LLM | None = None
     load_error: QuantserveError | None = None
     model_names: frozenset[str] = frozenset()  # names a request's "model" may use (name, aliases, file name)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # image limits and the URL policy
+
+    def reader(self, llm: LLM) -> ContentReader:
+        """A reader of one request's message content for `llm` (see quantserve.server.content)."""
+        return ContentReader(llm.name, llm.takes_images, self.media.limits.max_images)
 
     def require_model(self, requested: str | None) -> LLM:
         if self.llm is None:

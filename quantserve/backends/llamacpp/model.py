@@ -90,6 +90,7 @@ class LlamaCppRunner:
                 "sequences; lower --ctx-size, --kv-size or --max-num-seqs"
             )
         self.n_kv_cells = lc.llama_n_ctx(self.ctx)
+        self.vision = None  # text only (an mmproj through libmtmd is not wired in yet)
         # Sequences run in slots (llama.cpp seq ids). Per-sequence KV streams compute each run of consecutive slots
         # as its own pass over the weights (see execute), so the ledger keeps running slots packed; the unified
         # pool batches any set of sequences in one pass.

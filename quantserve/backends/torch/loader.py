@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from quantserve.backends.torch.llava import is_llava
 from quantserve.core.runner import LoadedModel, ModelInfo
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import BackendUnavailableError
@@ -39,8 +40,16 @@ def load_torch(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
     device, dtype = pick_device_dtype(spec.config or {})
     tokenizer = HFTokenizer.from_dir(spec.directory)
     model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
-    runner = TorchRunner(model, tokenizer, settings, device)
+    vision = image_config = None
+    if is_llava(spec.config or {}):
+        from quantserve.backends.torch.llava import load_vision
+        from quantserve.vision.preprocess import ImageProcessorConfig
+
+        vision = load_vision(spec, model.args.hidden_size, dtype, device)
+        image_config = ImageProcessorConfig.from_dir(spec.directory)
+    runner = TorchRunner(model, tokenizer, settings, device, vision, image_config)
     n_params = sum(p.numel() for p in model.parameters())
+    n_params += sum(p.numel() for p in vision.parameters()) if vision is not None else 0
     return LoadedModel(
         runner=runner,
         info=ModelInfo(architecture=model.args.arch, n_params=n_params, format=spec.format, backend="torch"),

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 
 from quantserve.backends.torch.model import KVCache, Transformer
 from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.backends.torch.step import prepare_step
-from quantserve.core.runner import DropKV, KVSpec
+from quantserve.core.runner import DropKV, KVSpec, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError
 from quantserve.structured import Vocabulary
+
+if TYPE_CHECKING:
+    from quantserve.backends.torch.vision import LlavaVision
+    from quantserve.vision.preprocess import ImageProcessorConfig
 
 log = logging.getLogger("quantserve.torch")
 
@@ -61,8 +67,27 @@ class TorchRunner:
     """Not thread-safe: the engine thread is its only caller. The engine's ledger decides which cache blocks each
     sequence uses (`seq.block_table`); the runner holds the cache's memory and writes and reads where they say."""
 
-    def __init__(self, model: Transformer, tokenizer, settings: EngineSettings, device: torch.device):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer,
+        settings: EngineSettings,
+        device: torch.device,
+        vision: LlavaVision | None = None,
+        image_config: ImageProcessorConfig | None = None,
+    ):
         self.model = model
+        self.vision_model, self.image_config = vision, image_config
+        self.vision = (
+            VisionSpec(vision.args.image_token_index, vision.args.tokens_per_image, vision.args.image_size)
+            if vision is not None
+            else None
+        )
+        # image digest -> its embeddings [tokens_per_image, D]: a prompt is often prefilled in several chunks, and
+        # the same image may come again (a follow-up turn); least recently used out
+        self._image_features: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.max_cached_images = 2 * settings.max_num_seqs
+        self.images_encoded = 0  # in all (tests)
         self.tokenizer = tokenizer
         self.settings = settings
         self.device = device
@@ -126,6 +151,8 @@ class TorchRunner:
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
         step = prepare_step(plan, self.block_size, self.device)
+        if step.image_pieces:
+            step.image_embeds = self._image_embeds(plan, step.image_pieces)
         top = max(seq.num_computed + n for seq, n in plan) - 1  # the largest position: no device lookup
         with torch.inference_mode():
             hidden = self.model(step.input_ids, step.positions, step, max_position=top)  # [T, D]
@@ -141,6 +168,33 @@ class TorchRunner:
         self.tokens_computed += len(step.positions)
         return results
 
+    def _image_embeds(
+        self, plan: list[tuple[Sequence, int]], pieces: tuple[tuple[int, int, int, int], ...]
+    ) -> torch.Tensor:
+        """The embeddings of the image pieces of this step, in order, encoding (in one batch) the images that are
+        not cached yet."""
+        from quantserve.vision.preprocess import pixel_values
+
+        assert self.vision_model is not None and self.image_config is not None, "images sent to a text model"
+        images = [plan[k][0].images[i].image for k, i, _, _ in pieces]
+        cache = self._image_features
+        new = list({img.digest: img for img in images if img.digest not in cache}.values())
+        if new:
+            pixels = torch.stack([torch.from_numpy(pixel_values(img, self.image_config)) for img in new])
+            with torch.inference_mode():
+                feats = self.vision_model(pixels.to(self.device))  # [N, tokens_per_image, D]
+            for img, f in zip(new, feats, strict=True):
+                cache[img.digest] = f
+            self.images_encoded += len(new)
+        for img in images:
+            cache.move_to_end(img.digest)
+        out = torch.cat(
+            [cache[img.digest][lo:hi] for img, (_, _, lo, hi) in zip(images, pieces, strict=True)]
+        )
+        while len(cache) > self.max_cached_images:
+            cache.popitem(last=False)
+        return out
+
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:
             self.sampler.remove(seq)
@@ -152,6 +206,8 @@ class TorchRunner:
         return None  # the engine's ledger is the only count
 
     def close(self) -> None:
+        self._image_features.clear()
+        self.vision_model = None
         for layer in self.model.model.layers:
             layer.self_attn.cache = None
         self.model = None

@@ -46,6 +46,12 @@ class StepBatch:
     prefill: PrefillBatch | None
     logits_index: torch.Tensor  # int64 [S]: the tokens whose logits are sampled
     sampled: list[int]  # which planned sequences those are, in the plan
+    # Image positions among the new tokens: image_rows[r] takes the embedding image_embeds[r] instead of its
+    # token's. Each piece (plan index, image index in seq.images, first, stop) is a run of one image's embeddings;
+    # the runner encodes the images and sets image_embeds.
+    image_rows: torch.Tensor | None = None  # int64 [R]
+    image_pieces: tuple[tuple[int, int, int, int], ...] = ()
+    image_embeds: torch.Tensor | None = None  # [R, D]
 
 
 def _slots(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -62,6 +68,8 @@ def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torc
     prefill_rows: list[tuple[int, int, int, list[int]]] = []  # (first token index, n, context, context slots)
     logits_index: list[int] = []
     sampled: list[int] = []
+    image_rows: list[int] = []
+    image_pieces: list[tuple[int, int, int, int]] = []
     for k, (seq, n) in enumerate(plan):
         start, ctx = seq.num_computed, seq.num_computed + n
         first = len(ids)
@@ -73,6 +81,11 @@ def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torc
             decode_rows.append((first, context))
         else:
             prefill_rows.append((first, n, ctx, context))
+        for i, span in enumerate(seq.images):
+            lo, hi = max(span.offset, start), min(span.end, ctx)
+            if lo < hi:
+                image_rows.extend(range(first + lo - start, first + hi - start))
+                image_pieces.append((k, i, lo - span.offset, hi - span.offset))
         if ctx == len(seq.tokens):  # its whole prompt is in: its next token is sampled
             logits_index.append(len(ids) - 1)
             sampled.append(k)
@@ -117,4 +130,6 @@ def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torc
         prefill=prefill,
         logits_index=tensor(logits_index),
         sampled=sampled,
+        image_rows=tensor(image_rows) if image_rows else None,
+        image_pieces=tuple(image_pieces),
     )

@@ -17,8 +17,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from quantserve.backends.torch import llava
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
-from quantserve.errors import ConfigError, ModelFileError
+from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import ModelSpec
 
 log = logging.getLogger("quantserve.torch")
@@ -97,7 +98,7 @@ def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
 
 def decoder_linears(model: Transformer) -> list[str]:
     """Prefixes of the linears inside decoder layers (what GPTQ/AWQ quantize; lm_head stays dense)."""
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in f".{n}"]
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")]
 
 
 def load_model(
@@ -110,7 +111,13 @@ def load_model(
         ConfigError: `quant` is not something the torch backend applies at load.
     """
     t0 = time.perf_counter()
-    args = ModelArgs.from_hf_config(spec.config or {})
+    config = spec.config or {}
+    if llava.is_llava(
+        config
+    ):  # its language model, named as in a plain checkpoint (the vision side: llava.py)
+        args, name = ModelArgs.from_hf_config(llava.text_config(config)), llava.rename
+    else:
+        args, name = ModelArgs.from_hf_config(config), str
     if quant and spec.scheme is not None:
         raise ConfigError(
             f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"
@@ -126,19 +133,26 @@ def load_model(
         from quantserve.formats.quant_read import open_quantized
 
         with open_quantized(spec) as ckpt:
-            prefixes = ckpt.linear_prefixes()
-            model = _empty_model(args, dtype, device, drop=prefixes)
-            for prefix in tqdm(prefixes, desc="repack to Marlin", unit="linear", leave=False):
-                qw, bias = ckpt.read_linear(prefix), ckpt.read_bias(prefix)
+            prefixes = {name(p): p for p in ckpt.linear_prefixes()}  # ours -> the checkpoint's
+            if vision := [p for p in prefixes if llava.is_vision(p)]:
+                raise UnsupportedFormatError(
+                    f"{spec.path} quantizes the vision side ({vision[0]}, …); the torch backend runs the vision "
+                    "tower and projector in full precision only. Quantize the language model alone."
+                )
+            model = _empty_model(args, dtype, device, drop=list(prefixes))
+            for prefix, theirs in tqdm(prefixes.items(), desc="repack to Marlin", unit="linear", leave=False):
+                qw, bias = ckpt.read_linear(theirs), ckpt.read_bias(theirs)
                 layer = QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
                 _set_module(model, prefix, layer)
             params = dict(model.named_parameters(remove_duplicate=False))
             skip = {n for n in params if n.rsplit(".", 1)[0] in prefixes}
-            _fill_dense(model, set(ckpt.dense_names()), ckpt.read_dense, skip)
+            dense = {name(n): n for n in ckpt.dense_names()}
+            _fill_dense(model, set(dense), lambda n: ckpt.read_dense(dense[n]), skip)
     elif spec.format == "safetensors":
         model = _empty_model(args, dtype, device)
         files = _SafetensorsFiles(spec.files)
-        _fill_dense(model, set(files.where), files.read, skip=set())
+        dense = {name(n): n for n in files.where}
+        _fill_dense(model, set(dense), lambda n: files.read(dense[n]), skip=set())
         if quant:
             _quantize_in_place(model, dtype, device)
     else:

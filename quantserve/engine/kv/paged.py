@@ -34,7 +34,7 @@ class PagedKV:
         self.ref = [0] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first out: least recent
         self._hash: list[int | None] = [None] * num_blocks  # a registered block's prefix hash
-        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # and its tokens (a hit must match)
+        self._tokens: list[tuple | None] = [None] * num_blocks  # and its tokens (a hit must match)
         self._by_hash: dict[int, int] = {}
         self._registered: dict[int, tuple[int, int | None]] = {}  # seq_id -> (blocks registered, last hash)
         self.hits = 0  # tokens taken from the cache by allocations, in all (for tests and logs)
@@ -65,7 +65,7 @@ class PagedKV:
         """The registered blocks seq's prompt begins with, up to (not including) the block of its last token."""
         if not self.prefix_caching:
             return []
-        bs, tokens, out, h = self.block_size, seq.tokens, [], None
+        bs, tokens, out, h = self.block_size, seq.cache_tokens, [], None
         for i in range((len(tokens) - 1) // bs):
             block = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash((h, block))
@@ -132,8 +132,9 @@ class PagedKV:
         bs = self.block_size
         done, h = self._registered.get(seq.seq_id, (0, None))
         full = min(seq.num_computed // bs, len(seq.block_table))
+        tokens = seq.cache_tokens if full > done else []
         for i in range(done, full):
-            block = tuple(seq.tokens[i * bs : (i + 1) * bs])
+            block = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash((h, block))
             b = seq.block_table[i]
             if h not in self._by_hash and self._hash[b] is None:

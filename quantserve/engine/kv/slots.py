@@ -97,7 +97,7 @@ class SlotKV:
         self._free_slots.append(slot)
         self._reserved.pop(seq.seq_id, None)
         if self.prefix_caching and seq.num_computed:
-            self.slot_tokens[slot] = seq.tokens[: seq.num_computed]  # newest last: emptied last
+            self.slot_tokens[slot] = seq.cache_tokens[: seq.num_computed]  # newest last: emptied last
         else:
             self._ops.append(DropKV(slot))
         seq.block_table = []
@@ -119,8 +119,12 @@ class SlotKV:
         if not self.prefix_caching:
             return lowest, 0
 
+        keys = seq.cache_tokens
+
         def reusable(slot: int) -> int:
-            return min(common_prefix_len(self.slot_tokens.get(slot, []), seq.tokens), len(seq.tokens) - 1)
+            n = min(common_prefix_len(self.slot_tokens.get(slot, []), keys), len(keys) - 1)
+            # libmtmd evaluates an image whole: a prefix that ends inside one stops before it
+            return next((s.offset for s in seq.images if s.offset < n < s.end), n)
 
         # Ties: an empty slot before a cached one, then the oldest cache (kept newest-last), then the lowest slot.
         age = {slot: i for i, slot in enumerate(self.slot_tokens)}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quantserve.chat import Tool, ToolChoice
 from quantserve.chat.tools import check_unique, checked_choice, make_tool
 from quantserve.errors import InvalidRequestError
-from quantserve.server.openai.protocol import part_text, text_of
+from quantserve.server.content import ContentReader, join
 
 TEXT = frozenset({"text"})
 
@@ -127,11 +127,11 @@ def anthropic_tool_choice(raw: dict[str, Any] | None, tools: tuple[Tool, ...]) -
     return checked_choice(choice, tools, "tool_choice"), parallel
 
 
-def system_text(system: str | list[dict[str, Any]] | None, model: str) -> str:
-    return text_of(system, "system", model, TEXT)
+def system_text(system: str | list[dict[str, Any]] | None, reader: ContentReader) -> str:
+    return reader.text(system, "system", TEXT)
 
 
-def chat_messages(messages: list[AnthropicMessage], model: str) -> list[dict[str, Any]]:
+def chat_messages(messages: list[AnthropicMessage], reader: ContentReader) -> list[dict[str, Any]]:
     """Anthropic messages as chat messages (see the module docstring)."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -139,7 +139,7 @@ def chat_messages(messages: list[AnthropicMessage], model: str) -> list[dict[str
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts: list[str] = []
+        parts: list[str | dict[str, Any]] = []  # texts and images, in order
         calls: list[dict[str, Any]] = []
         for j, block in enumerate(m.content):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -147,7 +147,7 @@ def chat_messages(messages: list[AnthropicMessage], model: str) -> list[dict[str
             if kind == "tool_result" and m.role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise InvalidRequestError(f"'{at}.tool_use_id' is required", param=f"{at}.tool_use_id")
-                content = text_of(block.get("content"), f"{at}.content", model, TEXT)
+                content = reader.text(block.get("content"), f"{at}.content", TEXT)
                 if block.get("is_error"):
                     content = f"Error: {content}"
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
@@ -159,9 +159,9 @@ def chat_messages(messages: list[AnthropicMessage], model: str) -> list[dict[str
                 function = {"name": block["name"], "arguments": arguments}
                 calls.append({"id": block["id"], "type": "function", "function": function})
             elif kind not in ("thinking", "redacted_thinking"):  # a reasoning model's notes are not replayed
-                texts.append(part_text(block, at, model, TEXT))
-        if texts or calls or not m.content:
-            message: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+                parts.append(reader.part(block, at, TEXT, images=m.role == "user"))
+        if parts or calls or not m.content:
+            message: dict[str, Any] = {"role": m.role, "content": join(parts)}
             if calls:
                 message["tool_calls"] = calls
             out.append(message)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
 from quantserve.chat.jsonscan import no_lone_surrogates
+from quantserve.core.multimodal import Image
 from quantserve.llm import LLM
 from quantserve.server.anthropic.protocol import (
     CountTokensRequest,
@@ -37,17 +38,22 @@ from quantserve.server.state import ServerState
 router = APIRouter()
 
 
-def _chat_request(body: MessagesRequest | CountTokensRequest, llm: LLM) -> ChatRequest:
+async def _chat_request(
+    body: MessagesRequest | CountTokensRequest, llm: LLM, state: ServerState
+) -> tuple[ChatRequest, list[Image]]:
+    """The request as the library's ChatRequest, and its images fetched and decoded."""
+    reader = state.reader(llm)
     tools = anthropic_tools(body.tools)
     choice, parallel = anthropic_tool_choice(body.tool_choice, tools)
-    system = system_text(body.system, llm.name)
-    messages = chat_messages(body.messages, llm.name)
+    system = system_text(body.system, reader)
+    messages = chat_messages(body.messages, reader)
     if system:
         messages.insert(0, {"role": "system", "content": system})
     schema = body.response_schema() if isinstance(body, MessagesRequest) else None
     # a final assistant message is a prefill: the reply continues it (Anthropic's API works that way)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    return ChatRequest(messages, tools, choice, parallel, response_schema=schema, continue_final=prefill)
+    req = ChatRequest(messages, tools, choice, parallel, response_schema=schema, continue_final=prefill)
+    return req, await reader.load(state.media)
 
 
 def _stop(c: Choice) -> tuple[str, str | None]:
@@ -134,7 +140,7 @@ async def messages(body: MessagesRequest, request: Request):
     state: ServerState = request.app.state.qs
     llm = state.require_model(body.model)
     t0 = time.perf_counter()
-    prompt, tokens = llm.prepare_chat(_chat_request(body, llm))
+    prompt, tokens, images = llm.prepare_chat(*await _chat_request(body, llm, state))
     params = llm.sampling_params(
         max_tokens=llm.check_context(len(tokens), body.max_tokens),
         temperature=body.temperature,
@@ -145,7 +151,7 @@ async def messages(body: MessagesRequest, request: Request):
         skip_special_tokens=prompt.skip_special_tokens,
     )
     mid = f"msg_{uuid.uuid4().hex}"
-    gens, choices = start_chat(llm, prompt, tokens, params, 1, mid)
+    gens, choices = start_chat(llm, prompt, tokens, params, 1, mid, images)
     c = choices[0]
     base = {"id": mid, "type": "message", "role": "assistant", "model": llm.name}
     if body.stream:
@@ -194,5 +200,5 @@ async def messages(body: MessagesRequest, request: Request):
 async def count_tokens(body: CountTokensRequest, request: Request):
     state: ServerState = request.app.state.qs
     llm = state.require_model(body.model)
-    _, tokens = llm.prepare_chat(_chat_request(body, llm))
+    _, tokens, _ = llm.prepare_chat(*await _chat_request(body, llm, state))
     return {"input_tokens": len(tokens)}

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantserve.errors import InvalidRequestError
+from quantserve.server.content import ContentReader
 
 
 class StreamOptions(BaseModel):
@@ -50,41 +51,6 @@ class _Request(BaseModel):
         return stops
 
 
-IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
-
-
-def part_text(part: Any, at: str, model: str, text_types: frozenset[str] = frozenset({"text"})) -> str:
-    """The text of one content part at `at` (e.g. "messages[0].content[1]").
-
-    Raises:
-        InvalidRequestError: an image part (no served model takes images yet), or a part of another kind.
-    """
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in text_types and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind in IMAGE_PART_TYPES:
-        raise InvalidRequestError(
-            f"'{at}' is an image, but the model {model!r} takes text only (it has no vision encoder); send text, "
-            "or serve a vision model",
-            param=at,
-        )
-    raise InvalidRequestError(
-        f"'{at}' has type {kind!r}; this route takes content parts of type {' or '.join(sorted(text_types))}",
-        param=at,
-    )
-
-
-def text_of(content: Any, where: str, model: str, text_types: frozenset[str] = frozenset({"text"})) -> str:
-    """A message's content as one string: a string as is, a list of parts as their texts joined (see part_text)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"'{where}' must be a string or a list of content parts", param=where)
-    return "".join(part_text(part, f"{where}[{j}]", model, text_types) for j, part in enumerate(content))
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, … reach the template untouched
 
@@ -93,15 +59,19 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    def for_template(self, i: int, model: str) -> dict[str, Any]:
-        """The message as chat templates take it (string content; calls with JSON-text arguments).
+    def for_template(self, i: int, reader: ContentReader) -> dict[str, Any]:
+        """The message as chat templates take it (string content, or text and image parts for a user message with
+        images; calls with JSON-text arguments).
 
         Raises:
             InvalidRequestError: naming the field: an image or unknown content part, a tool message without
                 tool_call_id, a malformed tool call.
         """
         d = self.model_dump(exclude_none=True)
-        d["content"] = text_of(self.content, f"messages[{i}].content", model)
+        where = f"messages[{i}].content"
+        d["content"] = (
+            reader.content(self.content, where) if self.role == "user" else reader.text(self.content, where)
+        )
         if self.role == "tool" and not self.tool_call_id:
             raise InvalidRequestError(
                 f"'messages[{i}].tool_call_id' is required: a tool message answers the tool call with that id",

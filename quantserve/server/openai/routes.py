@@ -12,6 +12,7 @@ from quantserve.chat import ChatRequest, TextDelta
 from quantserve.chat.tools import parse_openai_tool_choice, parse_openai_tools
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
+from quantserve.server.content import ContentReader
 from quantserve.server.errors import error_body
 from quantserve.server.generation import (
     Choice,
@@ -67,11 +68,12 @@ def _params(
 # ---- chat --------------------------------------------------------------------------------------
 
 
-def chat_request(body: ChatCompletionRequest, llm: LLM) -> ChatRequest:
-    """The OpenAI chat request as the library's ChatRequest (400s name the field at fault)."""
+def chat_request(body: ChatCompletionRequest, reader: ContentReader) -> ChatRequest:
+    """The OpenAI chat request as the library's ChatRequest (400s name the field at fault); its images' sources
+    are left in `reader`."""
     tools = parse_openai_tools(body.tools)
     return ChatRequest(
-        messages=[m.for_template(i, llm.name) for i, m in enumerate(body.messages)],
+        messages=[m.for_template(i, reader) for i, m in enumerate(body.messages)],
         tools=tools,
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
         parallel_tool_calls=body.parallel_tool_calls,
@@ -124,7 +126,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.qs
     llm = state.require_model(body.model)
     t0 = time.perf_counter()
-    prompt, tokens = llm.prepare_chat(chat_request(body, llm))
+    reader = state.reader(llm)
+    req = chat_request(body, reader)
+    prompt, tokens, images = llm.prepare_chat(req, await reader.load(state.media))
     max_tokens = llm.check_context(len(tokens), body.max_completion_tokens or body.max_tokens)
     params = _params(
         llm,
@@ -136,7 +140,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         skip_special_tokens=prompt.skip_special_tokens,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gens, choices = start_chat(llm, prompt, tokens, params, body.n, rid)
+    gens, choices = start_chat(llm, prompt, tokens, params, body.n, rid, images)
     created = int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": llm.name}
     if body.stream:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from quantserve.chat import Reply, Tool, ToolChoice
 from quantserve.chat.tools import check_unique, make_tool, parse_openai_tool_choice
 from quantserve.errors import InvalidRequestError
-from quantserve.server.openai.protocol import text_of
+from quantserve.server.content import ContentReader
 
 INPUT_TEXT = frozenset({"input_text", "output_text", "text"})
 
@@ -90,11 +90,11 @@ def tool_choice(raw: Any, tools: tuple[Tool, ...]) -> ToolChoice:
     return parse_openai_tool_choice(raw, tools)  # its dict form {"type": "function", "name": ...} is read too
 
 
-def input_messages(raw: str | list[Any], model: str) -> list[dict[str, Any]]:
+def input_messages(raw: str | list[Any], reader: ContentReader) -> list[dict[str, Any]]:
     """The input items as chat messages.
 
     Raises:
-        InvalidRequestError: naming the item: an unknown item type, a missing field, an image.
+        InvalidRequestError: naming the item: an unknown item type, a missing field, a bad content part.
     """
     if isinstance(raw, str):
         return [{"role": "user", "content": raw}]
@@ -111,9 +111,8 @@ def input_messages(raw: str | list[Any], model: str) -> list[dict[str, Any]]:
                     f"'{where}.role' must be user, assistant, system or developer; got {role!r}",
                     param=f"{where}.role",
                 )
-            out.append(
-                {"role": role, "content": text_of(item.get("content"), f"{where}.content", model, INPUT_TEXT)}
-            )
+            read = reader.content if role == "user" else reader.text
+            out.append({"role": role, "content": read(item.get("content"), f"{where}.content", INPUT_TEXT)})
         elif kind == "function_call":
             call = {
                 "id": _field(item, "call_id", where),
@@ -127,7 +126,7 @@ def input_messages(raw: str | list[Any], model: str) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             content = (
-                output if isinstance(output, str) else text_of(output, f"{where}.output", model, INPUT_TEXT)
+                output if isinstance(output, str) else reader.text(output, f"{where}.output", INPUT_TEXT)
             )
             out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": content})
         elif kind == "reasoning":

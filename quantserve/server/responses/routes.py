@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
+from quantserve.core.multimodal import Image
 from quantserve.server.errors import error_body
 from quantserve.server.generation import (
     Choice,
@@ -144,9 +145,12 @@ async def create_response(body: ResponsesRequest, request: Request):
     llm = state.require_model(body.model)
     t0 = time.perf_counter()
     history: list[dict[str, Any]] = []
+    history_images: tuple[Image, ...] = ()
     if body.previous_response_id:
-        history = list(store.get(body.previous_response_id, param="previous_response_id").messages)
-    messages = [*history, *input_messages(body.input, llm.name)]
+        previous = store.get(body.previous_response_id, param="previous_response_id")
+        history, history_images = list(previous.messages), previous.images
+    reader = state.reader(llm)
+    messages = [*history, *input_messages(body.input, reader)]
     tools = response_tools(body.tools)
     choice = tool_choice(body.tool_choice, tools)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -157,7 +161,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         parallel_tool_calls=body.parallel_tool_calls,
         response_schema=body.response_schema(),
     )
-    prompt, tokens = llm.prepare_chat(req)
+    images = [*history_images, *await reader.load(state.media)]
+    prompt, tokens, spans = llm.prepare_chat(req, images)
     params = llm.sampling_params(
         max_tokens=llm.check_context(len(tokens), body.max_output_tokens),
         temperature=body.temperature,
@@ -166,7 +171,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         skip_special_tokens=prompt.skip_special_tokens,
     )
     rid = f"resp_{uuid.uuid4().hex}"
-    gens, choices = start_chat(llm, prompt, tokens, params, 1, rid)
+    gens, choices = start_chat(llm, prompt, tokens, params, 1, rid, spans)
     c = choices[0]
     base = {
         "id": rid,
@@ -198,7 +203,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
         state.record(choices, [tokens], t0)
         if body.store:
-            store.put(rid, StoredResponse(response, tuple(messages + messages_of(output))))
+            store.put(rid, StoredResponse(response, tuple(messages + messages_of(output)), tuple(images)))
 
     if body.stream:
         events = _Events()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from quantserve.core.multimodal import Image
 from quantserve.errors import InvalidRequestError, QuantserveError
 
 
@@ -27,11 +28,13 @@ class ResponseNotFoundError(QuantserveError):
 class StoredResponse:
     body: dict[str, Any]  # the response object as it was returned
     messages: tuple[dict[str, Any], ...]  # the whole conversation, its own output included (chat messages)
+    images: tuple[Image, ...] = ()  # the conversation's images, in the order of its image parts
 
     @cached_property
     def size(self) -> int:
         """Roughly the bytes it holds."""
-        return len(json.dumps([self.body, self.messages], ensure_ascii=False))
+        pictures = sum(len(img.data) + img.rgb.nbytes for img in self.images)
+        return len(json.dumps([self.body, self.messages], ensure_ascii=False)) + pictures
 
 
 class ResponseStore:

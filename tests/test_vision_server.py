@@ -1,0 +1,196 @@
+"""Images through a real `quantserve run` process (torch backend, the tiny LLaVA): the official openai and anthropic
+clients with data URIs, streamed and not; two images behind the same text answer differently (no prefix-cache reuse
+across images); the same image gives the same answer; bad images get 400s that name the problem, in each API's
+error shape, and leave the server's memory flat."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import start_server
+from tests.fixtures_vision import build_tiny_llava, sample_images
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+@pytest.fixture(scope="module")
+def vision_server(smollm2_hf, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vision-server")
+    llava = build_tiny_llava(tmp / "tiny-llava", smollm2_hf)
+    srv = start_server(
+        tmp, str(llava), "--backend", "torch", "--ctx-size", "2048", "--max-images", "2",
+        "--max-image-bytes", "300000", "--max-num-seqs", "4",
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def ask(client, uri: str, stream: bool = False, text: str = "What is in the picture?") -> str:
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": uri, "detail": "low"}},
+    ]}]  # fmt: skip
+    kw = {"model": "tiny-llava", "messages": messages, "max_tokens": 12, "temperature": 0}
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    chunks = client.chat.completions.create(**kw, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_openai_client_chat_with_an_image(vision_server):
+    client = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
+    imgs = sample_images()
+    wide, other = data_uri(imgs["wide.png"]), data_uri(imgs["tall.jpg"], "image/jpeg")
+    first = ask(client, wide)
+    # streamed = not streamed (the second request reads the first's cached prefix)
+    assert first and ask(client, wide, stream=True) == first
+    assert ask(client, other) != first  # another image behind the same text: not the first image's KV
+    assert ask(client, wide) == first
+    models = client.models.list().data
+    assert models[0].model_extra["meta"]["input_modalities"] == ["text", "image"]
+
+
+def test_usage_counts_image_tokens(vision_server):
+    client = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
+    messages = [{"role": "user", "content": "What is in the picture?"}]
+    text_only = client.chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=1
+    ).usage.prompt_tokens
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(sample_images()["tiny.gif"], "image/gif")}},
+        {"type": "text", "text": "What is in the picture?"},
+    ]}]  # fmt: skip
+    with_image = client.chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=1
+    ).usage.prompt_tokens
+    assert with_image - text_only >= 576  # the image's tokens, plus its marker's newline
+
+
+def test_anthropic_client_and_responses_take_images(vision_server):
+    png = sample_images()["wide.png"]
+    client = anthropic.Anthropic(base_url=vision_server.base_url, api_key="x")
+    msg = client.messages.create(
+        model="tiny-llava", max_tokens=8,
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png).decode()}},
+            {"type": "text", "text": "What is in the picture?"},
+        ]}],
+    )  # fmt: skip
+    assert msg.content[0].text and msg.usage.input_tokens > 576
+    oa = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
+    resp = oa.responses.create(
+        model="tiny-llava", max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is in the picture?"},
+            {"type": "input_image", "image_url": data_uri(png), "detail": "auto"},
+        ]}],
+    )  # fmt: skip
+    assert resp.output_text and resp.usage.input_tokens > 576
+    follow = oa.responses.create(
+        model="tiny-llava", max_output_tokens=4, previous_response_id=resp.id, input="And the colours?"
+    )  # the first turn's image is still in the conversation
+    assert follow.usage.input_tokens > resp.usage.input_tokens + 8
+
+
+def _png_header_claiming(width: int, height: int) -> bytes:
+    """A PNG of a few dozen bytes whose header claims width x height (a decompression bomb's shape)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = chunk(b"IDAT", zlib.compress(b"\0" * 64))
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + idat + chunk(b"IEND", b"")
+
+
+BAD = {
+    "oversized": (data_uri(sample_images()["big.png"]), "limit"),
+    "truncated": (data_uri(sample_images()["wide.png"][:400]), "truncated"),
+    "not an image": (data_uri(b"%PDF-1.4 not an image at all", "image/png"), "not an image"),
+    "bomb": (data_uri(_png_header_claiming(60000, 60000)), "pixels"),
+    "bad base64": ("data:image/png;base64,@@@not-base64@@@", "base64"),
+    "loopback URL": ("http://127.0.0.1:1/cat.png", "public hosts"),
+    "metadata URL": ("http://169.254.169.254/latest/meta-data", "public hosts"),
+    "file URL": ("file:///etc/passwd", "http"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_images_are_400s_naming_the_problem(vision_server, case):
+    uri, needle = BAD[case]
+    body = {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": uri}},
+    ]}]}  # fmt: skip
+    r = httpx.post(vision_server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"].lower() and err["param"] == "messages[0].content[1]"
+
+
+def test_too_many_images_and_anthropic_error_shape(vision_server):
+    uri = data_uri(sample_images()["tiny.gif"], "image/gif")
+    part = {"type": "image_url", "image_url": {"url": uri}}
+    body = {"model": "tiny-llava", "messages": [{"role": "user", "content": [part, part, part]}]}
+    r = httpx.post(vision_server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "limit is 2" in r.json()["error"]["message"]
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@"}}
+    body = {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]}
+    r = httpx.post(vision_server.base_url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_text_marker_without_an_image_is_a_400(vision_server):
+    body = {"model": "tiny-llava", "messages": [{"role": "user", "content": "look: <image> what is it?"}]}
+    r = httpx.post(vision_server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "<image>" in r.json()["error"]["message"]
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_memory_flat_over_200_bad_requests(vision_server):
+    cases = list(BAD.values())
+    url = vision_server.base_url + "/v1/chat/completions"
+
+    def burst(n: int) -> None:
+        with httpx.Client(timeout=30) as c:
+            for i in range(n):
+                uri = cases[i % len(cases)][0]
+                body = {"model": "tiny-llava", "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": uri}}]}]}  # fmt: skip
+                assert c.post(url, json=body).status_code == 400
+
+    burst(40)  # warm: allocator pools and caches settle
+    before = _rss_kib(vision_server.proc.pid)
+    burst(200)
+    after = _rss_kib(vision_server.proc.pid)
+    assert after - before < 30 * 1024, f"RSS grew {after - before} KiB over 200 bad requests"
+    assert httpx.get(vision_server.base_url + "/healthz").status_code == 200
+    assert httpx.get(vision_server.base_url + "/readyz").status_code == 200
+
+
+def test_text_only_model_refuses_images(server):
+    img = np.zeros((4, 4, 3), dtype=np.uint8)
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_uri(buf.getvalue())}}]}]}  # fmt: skip
+    r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"]
