@@ -7,6 +7,7 @@ quantserve.gguf and quantserve.quant.
 from __future__ import annotations
 
 from quantserve.converters.gguf import gguf_to_hf
-from quantserve.gguf import hf_to_gguf
+from quantserve.converters.llava import LlavaGGUF, llava_to_gguf
+from quantserve.gguf import hf_to_gguf, hf_to_mmproj
 
-__all__ = ["gguf_to_hf", "hf_to_gguf"]
+__all__ = ["LlavaGGUF", "gguf_to_hf", "hf_to_gguf", "hf_to_mmproj", "llava_to_gguf"]

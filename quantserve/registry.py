@@ -32,6 +32,9 @@ class ModelEntry(BaseModel):
     quant: str = ""
     ctx_size: int = 0
     chat_template: str | None = None
+    # a LLaVA text GGUF's vision projector, relative to models.toml; without it an mmproj GGUF beside the model
+    # is found (quantserve.formats.find_mmproj)
+    mmproj: str | None = None
     aliases: list[str] = []
     sampling: dict[str, Any] = {}
 
@@ -95,6 +98,7 @@ class ResolvedModel:
     name: str
     path: Path
     entry: ModelEntry
+    mmproj: Path | None = None  # models.toml's `mmproj`, resolved and checked to exist
 
 
 def resolve(spec: str | None, registry: Registry) -> ResolvedModel:
@@ -110,7 +114,8 @@ def resolve(spec: str | None, registry: Registry) -> ResolvedModel:
     if hit is not None:
         name, entry = hit
         base = registry.path.parent if registry.path else Path.cwd()
-        return ResolvedModel(name, resolve_source(entry.source, entry.file, base), entry)
+        path = resolve_source(entry.source, entry.file, base)
+        return ResolvedModel(name, path, entry, _mmproj(name, entry, base, registry.path))
     p = Path(spec).expanduser()
     if p.exists():
         return ResolvedModel(p.name, p, ModelEntry(source=str(p)))
@@ -122,6 +127,21 @@ def resolve(spec: str | None, registry: Registry) -> ResolvedModel:
         "not an existing path, and not a hub id of the form org/name",
         param="model",
     )
+
+
+def _mmproj(name: str, entry: ModelEntry, base: Path, toml: Path | None) -> Path | None:
+    if entry.mmproj is None:
+        return None
+    p = Path(entry.mmproj).expanduser()
+    p = p if p.is_absolute() else base / p
+    if not p.is_file():
+        raise ModelNotFoundError(
+            f"{toml or 'models.toml'}: [models.{name}] mmproj = {entry.mmproj!r}, but {p} is not a file; fix the "
+            f"path (relative to {base}), or remove the key to use an mmproj GGUF found beside the model (make one "
+            "with `quantserve convert --src LLAVA_DIR --dst DIR/ --quant ...`)",
+            param="model",
+        )
+    return p
 
 
 def resolve_source(source: str, file: str | None, base: Path) -> Path:

@@ -71,6 +71,12 @@ def _size(path: Path) -> str:
     help="-> GGUF: importance matrix GGUF from llama-imatrix.",
 )
 @click.option(
+    "--mmproj-type",
+    type=click.Choice(["f16", "f32"]),
+    default=None,
+    help="LLaVA -> GGUF: the vision projector's (mmproj) type [default: f16, as llama.cpp ships it].",
+)
+@click.option(
     "--threads", type=int, default=None, help="Threads for llama.cpp's quantizer [default: all cores]."
 )
 @click.option("--force", is_flag=True, help="Overwrite --dst if it exists.")
@@ -85,8 +91,8 @@ def _size(path: Path) -> str:
 )
 def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str, group_size: int, act_order: str | None,
             sym: bool | None, calib: Path | None, calib_samples: int | None, calib_seq_len: int | None,
-            damp_percent: float, dtype: str | None, imatrix: Path | None, threads: int | None, force: bool,
-            check: bool, check_text: Path | None) -> None:  # fmt: skip
+            damp_percent: float, dtype: str | None, imatrix: Path | None, mmproj_type: str | None,
+            threads: int | None, force: bool, check: bool, check_text: Path | None) -> None:  # fmt: skip
     """Convert between GGUF, dense HF and quantized HF (GPTQ, AWQ, compressed-tensors, Marlin) checkpoints.
 
     \b
@@ -94,16 +100,22 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
       quantserve convert --src model.gguf --dst model-hf/ --dtype bf16
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --imatrix imatrix.gguf
+      quantserve convert --src llava-1.5-7b-hf/ --dst out/ --quant q4_k_m      (text GGUF + mmproj)
       quantserve convert --src model-hf/ --dst model-gptq/ --quant gptq --group-size 128 --act-order group
       quantserve convert --src model-hf/ --dst model-awq/ --quant awq --calib my-text.txt
       quantserve convert --src model-gptq/ --dst model-marlin/ --format marlin
     """
-    from quantserve.converters import gguf_to_hf, hf_to_gguf
+    from quantserve.converters import gguf_to_hf, hf_to_gguf, llava_to_gguf
     from quantserve.formats import detect
+    from quantserve.formats.hf_config import is_llava
 
     quant = quant.lower() if quant else None
+    companions: list[str] = []
     try:
-        src_fmt = detect(src).format
+        spec = detect(src)
+        src_fmt = spec.format
+        llava = src_fmt == "safetensors" and is_llava(spec.config)
+        _fail_if(mmproj_type and not llava, "--mmproj-type applies to LLaVA checkpoints (HF -> GGUF) only")
         if quant in ("gptq", "awq", "rtn") or (fmt and not quant):
             _fail_if(dtype or imatrix, "--dtype and --imatrix do not apply to GPTQ/AWQ/RTN output")
             _fail_if(
@@ -130,14 +142,23 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
                 raise ConfigError(
                     "pass --quant for HF -> GGUF, e.g. --quant q4_k_m (or f16 for no quantization)"
                 )
-            out = hf_to_gguf(src, dst, quant=quant, imatrix=imatrix, force=force, nthread=threads)
+            if llava:  # the language model and its vision projector, the pair llama.cpp's libmtmd loads
+                files = llava_to_gguf(src, dst, quant, mmproj_type or "f16", imatrix, force, threads)
+                out = files.text
+                companions.append(
+                    f"wrote {files.mmproj} ({_size(files.mmproj)}): the vision projector (mmproj)"
+                )
+            else:
+                out = hf_to_gguf(src, dst, quant=quant, imatrix=imatrix, force=force, nthread=threads)
         else:
             raise UnsupportedFormatError(
                 f"{src} is a {fmt} checkpoint; convert reads GGUF files and dense safetensors checkpoints"
             )
     except QuantserveError as exc:
         fail(exc)
-    click.echo(f"wrote {out} ({_size(out)})")
+    click.echo(f"wrote {out} ({_size(out)})" + (": the language model" if companions else ""))
+    for line in companions:
+        click.echo(line)
     if check:
         try:
             click.echo(_check(src, out, fmt, check_text))

@@ -39,15 +39,17 @@ def models(models_file: str | None) -> None:
 @click.option("--models-file", default=None, help="models.toml to read (default: ./models.toml)")
 def inspect(model: str, models_file: str | None) -> None:
     """Describe MODEL (a path, or a models.toml name): format, architecture, parameters, quantization per
-    tensor class, bits per weight, size, context length, chat template, and which backends can serve it."""
+    tensor class, bits per weight, size, context length, chat template, vision (a LLaVA, a projector file, or
+    the projector served with a GGUF), and which backends can serve it."""
     from quantserve.formats import render_summary, summarize
     from quantserve.registry import find_models_toml, load_registry, resolve
 
     try:
-        path = Path(model)
+        path, mmproj = Path(model), None
         if not path.exists():
-            path = resolve(model, load_registry(find_models_toml(models_file))).path
-        click.echo(render_summary(summarize(path)))
+            resolved = resolve(model, load_registry(find_models_toml(models_file)))
+            path, mmproj = resolved.path, resolved.mmproj
+        click.echo(render_summary(summarize(path, mmproj=mmproj)))
     except QuantserveError as exc:
         fail(exc)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from quantserve.formats.detect import detect
 from quantserve.formats.gguf import parse_gguf_bytes, read_gguf_info
+from quantserve.formats.mmproj import find_mmproj, is_mmproj
 from quantserve.formats.safetensors_header import parse_safetensors_header, read_safetensors_header
 from quantserve.formats.spec import (
     GGUFInfo,
@@ -22,6 +23,8 @@ __all__ = [
     "SafetensorsHeader",
     "SafetensorsTensor",
     "detect",
+    "find_mmproj",
+    "is_mmproj",
     "parse_gguf_bytes",
     "parse_safetensors_header",
     "read_gguf_info",

@@ -75,3 +75,13 @@ def quant_method_of(qc: dict[str, Any]) -> str:
             return "gptq"
         return ""
     return str(method).lower()
+
+
+def is_llava(config: Mapping[str, Any] | None) -> bool:
+    """A LLaVA 1.5-style checkpoint (LlavaForConditionalGeneration): a language model, a CLIP vision tower and a
+    projector in one directory, told apart from text models by config.json alone."""
+    if not config:
+        return False
+    archs = config.get("architectures")
+    first = archs[0] if isinstance(archs, list) and archs else None
+    return config.get("model_type") == "llava" or first == "LlavaForConditionalGeneration"

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantserve.errors import ModelFileError
 from quantserve.formats.detect import detect
 from quantserve.formats.gguf import read_gguf_info
-from quantserve.formats.hf_config import read_json_object
+from quantserve.formats.hf_config import is_llava, read_json_object
+from quantserve.formats.mmproj import describe_mmproj, find_mmproj, is_mmproj
 from quantserve.formats.safetensors_header import DTYPE_BITS, read_safetensors_header
 from quantserve.formats.spec import ModelSpec
 
@@ -31,6 +33,8 @@ class ModelSummary:
     backends: tuple[str, ...]  # "llamacpp", "torch", "llamacpp (after convert)"
     backend_notes: tuple[str, ...]  # why each backend applies, same order
     quant: dict[str, Any]  # spec.quant
+    vision: str | None = None  # a LLaVA's vision side, or what a projector file is
+    mmproj: Path | None = None  # the vision projector served with a GGUF model
 
 
 def _types_by_class(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -129,26 +133,76 @@ def _hf_has_chat_template(directory: Path) -> bool:
     return bool(tok.is_file() and read_json_object(tok).get("chat_template"))
 
 
-def _backends(spec: ModelSpec) -> list[tuple[str, str]]:
+def _llava_vision(config: dict[str, Any]) -> str:
+    v = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return (
+        f"LLaVA: {v.get('model_type', 'clip_vision_model')} tower ({v.get('num_hidden_layers', '?')} blocks, "
+        f"{v.get('image_size', '?')} px images in {v.get('patch_size', '?')} px patches, features of layer "
+        f"{config.get('vision_feature_layer', -2)}), {config.get('projector_hidden_act', 'gelu')} MLP projector, "
+        f"{text.get('model_type', 'llama')} language model"
+    )
+
+
+def _vision(spec: ModelSpec, mmproj: Path | None) -> tuple[str | None, Path | None, bool]:
+    """What the model sees images with: a LLaVA's own tower, or the projector served with a GGUF; and whether
+    the file is itself a projector. Returns (description, projector file, is a projector)."""
+    if spec.format == "gguf":
+        info = read_gguf_info(spec.files[0])
+        if is_mmproj(info):
+            return f"vision projector (mmproj): {describe_mmproj(info)}", None, True
+        if mmproj is None:
+            try:
+                mmproj = find_mmproj(spec.path)
+            except ModelFileError as exc:
+                return f"unknown: {exc.message}", None, False
+        if mmproj is None:
+            return None, None, False
+        projector = read_gguf_info(mmproj)
+        if not is_mmproj(projector):
+            raise ModelFileError(
+                f"{mmproj}: not a vision projector (general.architecture {projector.get('general.architecture')!r}"
+                "); point models.toml's mmproj at the mmproj-*.gguf that `quantserve convert` wrote"
+            )
+        return f"images through {mmproj.name}: {describe_mmproj(projector)}", mmproj, False
+    return (_llava_vision(spec.config or {}) if is_llava(spec.config) else None), None, False
+
+
+def _backends(
+    spec: ModelSpec, vision: str | None, mmproj: Path | None, projector: bool
+) -> list[tuple[str, str]]:
     """Which backends can serve the model, and why."""
     if spec.format == "gguf":
-        return [("llamacpp", f"GGUF is llama.cpp's native format ({spec.quant['file_type']})")]
+        if projector:
+            return [("llamacpp", "a vision projector for libmtmd, not a model: serve its LLaVA text GGUF with it "
+                     "(beside it, or as `mmproj` in models.toml)")]  # fmt: skip
+        images = f"; images through {mmproj.name} (libmtmd)" if mmproj else ""
+        return [("llamacpp", f"GGUF is llama.cpp's native format ({spec.quant['file_type']}){images}")]
     if spec.scheme is not None:
         return [("torch", f"{spec.scheme.summary()} linear layers")]
+    if vision:  # a LLaVA checkpoint
+        return [
+            ("torch", f"dense {spec.quant['dtype']} weights, images through the CLIP tower"),
+            ("llamacpp (after convert)", "`quantserve convert --src DIR --dst OUT/ --quant TYPE` writes the text "
+             "GGUF and its vision projector (mmproj) for libmtmd"),
+        ]  # fmt: skip
     return [
         ("torch", f"dense {spec.quant['dtype']} weights"),
         ("llamacpp (after convert)", "convert to GGUF (optionally quantizing) first"),
     ]
 
 
-def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
+def summarize(path: str | os.PathLike[str] | ModelSpec, mmproj: Path | None = None) -> ModelSummary:
     """Summarize a model (path or an already detected spec) from its headers; tensor data is never read.
 
-    Raises: whatever detect() raises for the path.
+    Args:
+        mmproj: a GGUF model's vision projector (models.toml's `mmproj`); by default one beside it is found.
+    Raises: whatever detect() raises for the path; ModelFileError when `mmproj` is not a projector.
     """
     spec = path if isinstance(path, ModelSpec) else detect(path)
     facts = _summarize_gguf(spec) if spec.format == "gguf" else _summarize_hf(spec)
-    backends = _backends(spec)
+    vision, mmproj, projector = _vision(spec, mmproj)
+    backends = _backends(spec, vision, mmproj, projector)
     n_params = facts["n_params"]
     return ModelSummary(
         path=spec.path,
@@ -165,6 +219,8 @@ def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
         backends=tuple(name for name, _ in backends),
         backend_notes=tuple(note for _, note in backends),
         quant=dict(spec.quant),
+        vision=vision,
+        mmproj=mmproj,
     )
 
 
@@ -192,6 +248,7 @@ def render_summary(s: ModelSummary) -> str:
         ("chat template", ["yes" if s.has_chat_template else "no"]),
         ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
+        *([("vision", [s.vision])] if s.vision else []),
         ("backends", [f"{b} — {note}" for b, note in zip(s.backends, s.backend_notes, strict=True)]),
     ]
     width = max(len(k) for k, _ in rows) + 2

@@ -20,7 +20,7 @@ from quantserve.gguf.params import normalize_hparams
 from quantserve.gguf.quant_types import QUANTS, parse_quant
 from quantserve.gguf.safetensors_source import SafetensorsSource
 from quantserve.gguf.tokenizer import vocab_from_hf
-from quantserve.gguf.writer import plan_tensors, write_gguf
+from quantserve.gguf.writer import default_file_name, plan_tensors, write_gguf
 
 log = logging.getLogger(__name__)
 # the lossless intermediate for llama.cpp's quantizer: the checkpoint's own float type
@@ -94,3 +94,17 @@ def hf_to_gguf(
         else:
             write_gguf(tmp, arch, hp, tensors, vocab, target, spec_model.directory, progress)
     return dst
+
+
+def default_gguf_name(src: Path, quant: str) -> str:
+    """The file name convert_hf_to_gguf.py gives `src` converted to `quant` when its --outfile is a directory.
+
+    Raises: what hf_to_gguf raises for an unconvertible checkpoint or an unknown quant.
+    """
+    target = parse_quant(quant)
+    spec_model = detect(src)
+    if spec_model.format != "safetensors" or not spec_model.config:
+        raise UnsupportedFormatError(f"{src} is not a dense safetensors checkpoint with a config.json")
+    arch, hp = arch_for_hf(spec_model.config), normalize_hparams(spec_model.config)
+    tensors = plan_tensors(arch, SafetensorsSource(spec_model), hp, QUANTS["f32"])  # only the shapes count
+    return default_file_name(tensors, spec_model.directory, target)

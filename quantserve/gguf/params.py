@@ -14,7 +14,25 @@ import gguf
 import numpy as np
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
+from quantserve.formats.hf_config import is_llava
 from quantserve.gguf.archs import ArchSpec
+
+# transformers' LlamaConfig defaults. llava-hf's config.json leaves out of text_config what equals them (LLaVA 1.5:
+# all but max_position_embeddings, rms_norm_eps and vocab_size); llama.cpp's converter sees them filled in, through
+# AutoConfig.to_dict(), as does num_key_value_heads = num_attention_heads and head_dim = hidden / heads.
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+}  # fmt: skip
+
+
+def _llava_text_config(text: Mapping[str, Any]) -> dict[str, Any]:
+    if text.get("model_type", "llama") != "llama":
+        return dict(text)
+    hp = {**_LLAMA_DEFAULTS, **text}  # a rope_theta inside rope_parameters still wins (normalize_hparams)
+    hp.setdefault("num_key_value_heads", hp["num_attention_heads"])
+    hp.setdefault("head_dim", hp["hidden_size"] // hp["num_attention_heads"])
+    return hp
 
 
 def normalize_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -22,7 +40,8 @@ def normalize_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
     `rope_parameters` (transformers >= 5 writes rope_parameters; older configs rope_theta + rope_scaling)."""
     hp = dict(config)
     if isinstance(hp.get("text_config"), dict):
-        hp = {**hp, **hp["text_config"]}
+        text = _llava_text_config(hp["text_config"]) if is_llava(config) else hp["text_config"]
+        hp = {**hp, **text}
     rope = dict(hp.get("rope_parameters") or hp.get("rope_scaling") or {})
     if "rope_theta" not in rope and hp.get("rope_theta") is not None:
         rope["rope_theta"] = hp["rope_theta"]

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as T
 from tqdm import tqdm
 
 from quantserve.errors import UnsupportedFormatError
-from quantserve.gguf.archs import ArchSpec
+from quantserve.gguf.archs import ArchSpec, language_model_name
 from quantserve.gguf.native_quant import ggml_quantize
 from quantserve.gguf.params import add_arch_params, llama3_rope_freqs
 from quantserve.gguf.quant_types import QuantTarget, direct_tensor_type, n_bytes
@@ -62,15 +62,15 @@ def plan_tensors(
         UnsupportedFormatError: a source tensor this arch's map does not know.
     """
     n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads") or hp["num_attention_heads"]
-    names = {spec.gguf_name(n) for n in source.tensors}
-    tied = "output.weight" not in names
+    text = {h: n for h in source.tensors if (n := language_model_name(h)) is not None}  # a LLaVA's LM only
+    tied = "output.weight" not in {spec.gguf_name(n) for n in text.values()}
     out: list[OutTensor] = []
     if (freqs := llama3_rope_freqs(hp)) is not None:
         out.append(OutTensor("rope_freqs.weight", freqs.shape, T.F32, lambda: freqs))
     for hf_name, t in source.tensors.items():
-        if hf_name.endswith(_IGNORED):
+        if hf_name.endswith(_IGNORED) or hf_name not in text:
             continue
-        name = spec.gguf_name(hf_name)
+        name = spec.gguf_name(text[hf_name])
         if name is None:
             raise UnsupportedFormatError(
                 f"{t.path.name}: tensor '{hf_name}' has no llama.cpp '{spec.gguf_arch}' equivalent; this variant "
@@ -94,6 +94,27 @@ def _encode(x: np.ndarray, qtype: T) -> np.ndarray:
     return ggml_quantize(x.reshape(-1, x.shape[-1]), qtype).reshape(*x.shape[:-1], -1)
 
 
+def _metadata(writer: gguf.GGUFWriter, model_dir: Path) -> gguf.Metadata:
+    """general.* from the model card, config and generation_config heuristics, as convert_hf_to_gguf.py fills them."""
+    total, shared, expert, count = writer.get_total_parameter_count()
+    meta = gguf.Metadata.load(None, model_dir, None, total)
+    meta.name = meta.name or model_dir.name
+    meta.size_label = meta.size_label or gguf.size_label(total, shared, expert, count)
+    return meta
+
+
+def default_file_name(tensors: list[OutTensor], model_dir: Path, target: QuantTarget) -> str:
+    """convert_hf_to_gguf.py's name for its output in a directory, e.g. `SmolLM2-135M-Instruct-135M-F16.gguf`."""
+    writer = gguf.GGUFWriter(path=None, arch="")
+    for t in tensors:
+        writer.add_tensor_info(t.name, tuple(reversed(t.ne)), np.dtype(np.float32), 0, raw_dtype=t.qtype)
+    m = _metadata(writer, model_dir)
+    output_type = target.ftype.name.partition("_")[2]  # as llama.cpp: MOSTLY_Q4_K_M -> Q4_K_M
+    return (
+        f"{gguf.naming_convention(m.name, m.basename, m.finetune, m.version, m.size_label, output_type)}.gguf"
+    )
+
+
 def write_gguf(
     path: Path,
     spec: ArchSpec,
@@ -111,13 +132,7 @@ def write_gguf(
             t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
         )
     writer.add_type(gguf.GGUFType.MODEL)
-    total, shared, expert, count = writer.get_total_parameter_count()
-    meta = gguf.Metadata.load(
-        None, model_dir, None, total
-    )  # model card, config and generation_config heuristics
-    meta.name = meta.name or model_dir.name
-    meta.size_label = meta.size_label or gguf.size_label(total, shared, expert, count)
-    meta.set_gguf_meta_model(writer)
+    _metadata(writer, model_dir).set_gguf_meta_model(writer)
     add_arch_params(writer, spec, hp, int(target.ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.add_to(writer)

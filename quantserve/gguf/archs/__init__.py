@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
+from quantserve.formats.hf_config import is_llava
 
 # Outside the layers, identical for every registered arch (docs/gguf.md, "Tensor names").
 GLOBAL_TENSORS = (
@@ -38,6 +39,11 @@ QKV_BIAS = (
     ("self_attn.k_proj.bias", "attn_k.bias"),
     ("self_attn.v_proj.bias", "attn_v.bias"),
 )
+# A LLaVA checkpoint's vision tower and projector (they go to the mmproj file, quantserve.gguf.mmproj).
+_MULTIMODAL_PREFIXES = (
+    "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
+    "image_newline", "model.image_newline",
+)  # fmt: skip
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -83,6 +89,18 @@ class ArchSpec:
         return {g: h for h, g in GLOBAL_TENSORS}.get(gguf_name)
 
 
+def language_model_name(hf_name: str) -> str | None:
+    """The text-model name of a checkpoint tensor; None for a LLaVA's vision tower and projector.
+
+    As llama.cpp's TextModel.filter_tensors: multimodal tensors are skipped and "language_model." is dropped, so
+    llava-hf's `language_model.model.*` / `language_model.lm_head.*` and transformers 5's `model.language_model.*`
+    become `model.*` / `lm_head.*`. A text model's names pass through unchanged.
+    """
+    if hf_name.startswith(_MULTIMODAL_PREFIXES):
+        return None
+    return hf_name.replace("language_model.", "")
+
+
 _ARCHS: dict[str, ArchSpec] = {}
 
 
@@ -115,9 +133,22 @@ def arch_for_gguf(arch: str) -> ArchSpec:
 def arch_for_hf(config: Mapping[str, Any]) -> ArchSpec:
     """The arch for an HF config.json, by `model_type` (then `architectures[0]`).
 
+    A LLaVA converts as its language model, which llama.cpp's converter always treats as llama
+    (conversion/llama.py registers LlavaForConditionalGeneration with LlamaModel).
+
     Raises:
         UnsupportedFormatError: listing the supported model types.
     """
+    if is_llava(config):
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        text_type = text.get("model_type", "llama")  # LlavaConfig's default text model
+        spec = archs()["llama"]
+        if text_type not in spec.hf_model_types:
+            raise UnsupportedFormatError(
+                f"this LLaVA's language model is {text_type!r}; llama.cpp converts LLaVA checkpoints as llama, so "
+                f"only a {' or '.join(spec.hf_model_types)} language model can be converted"
+            )
+        return spec
     model_type = config.get("model_type")
     architectures = config.get("architectures") or [None]
     for spec in archs().values():
