@@ -8,7 +8,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -103,6 +103,8 @@ class LLM:
         from quantserve.formats import detect
 
         settings = settings.for_model(model.entry)
+        if model.mmproj is not None and settings.llamacpp.mmproj is None:  # models.toml's, resolved
+            settings = replace(settings, llamacpp=replace(settings.llamacpp, mmproj=str(model.mmproj)))
         loaded = load_backend(detect(model.path), settings)
         bos, eos = loaded.bos_token, loaded.eos_token
         if settings.chat_template:

@@ -24,22 +24,40 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 
 @pytest.fixture(scope="module")
-def vision_server(smollm2_hf, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vision-server")
-    llava = build_tiny_llava(tmp / "tiny-llava", smollm2_hf)
+def tiny_llava(smollm2_hf, tmp_path_factory):
+    """The tiny LLaVA in HF form (torch) and as a text GGUF with its mmproj beside it (llama.cpp)."""
+    from click.testing import CliRunner
+
+    from quantserve.cli import main
+
+    tmp = tmp_path_factory.mktemp("vision-models")
+    hf = build_tiny_llava(tmp / "tiny-llava", smollm2_hf)
+    result = CliRunner().invoke(
+        main, ["convert", "--src", str(hf), "--dst", f"{tmp}/gguf/", "--quant", "f16"]
+    )
+    assert result.exit_code == 0, result.output
+    return {"torch": hf, "llamacpp": next(p for p in (tmp / "gguf").glob("*.gguf") if "mmproj" not in p.name)}
+
+
+@pytest.fixture(scope="module", params=["torch", "llamacpp"])
+def vision_server(request, tiny_llava, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"vision-server-{request.param}")
     srv = start_server(
-        tmp, str(llava), "--backend", "torch", "--ctx-size", "2048", "--max-images", "2",
-        "--max-image-bytes", "300000", "--max-num-seqs", "4",
+        tmp, str(tiny_llava[request.param]), "--backend", request.param, "--ctx-size", "2048",
+        "--max-images", "2", "--max-image-bytes", "300000", "--max-num-seqs", "4",
     )  # fmt: skip
+    srv.model = httpx.get(srv.base_url + "/v1/models").json()["data"][0][
+        "id"
+    ]  # the file's or directory's name
     yield srv
     srv.stop()
 
 
-def ask(client, uri: str, stream: bool = False, text: str = "What is in the picture?") -> str:
+def ask(client, model: str, uri: str, stream: bool = False, text: str = "What is in the picture?") -> str:
     messages = [{"role": "user", "content": [
         {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": uri, "detail": "low"}},
     ]}]  # fmt: skip
-    kw = {"model": "tiny-llava", "messages": messages, "max_tokens": 12, "temperature": 0}
+    kw = {"model": model, "messages": messages, "max_tokens": 12, "temperature": 0}
     if not stream:
         return client.chat.completions.create(**kw).choices[0].message.content
     chunks = client.chat.completions.create(**kw, stream=True)
@@ -50,11 +68,12 @@ def test_openai_client_chat_with_an_image(vision_server):
     client = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
     imgs = sample_images()
     wide, other = data_uri(imgs["wide.png"]), data_uri(imgs["tall.jpg"], "image/jpeg")
-    first = ask(client, wide)
+    model = vision_server.model
+    first = ask(client, model, wide)
     # streamed = not streamed (the second request reads the first's cached prefix)
-    assert first and ask(client, wide, stream=True) == first
-    assert ask(client, other) != first  # another image behind the same text: not the first image's KV
-    assert ask(client, wide) == first
+    assert first and ask(client, model, wide, stream=True) == first
+    assert ask(client, model, other) != first  # another image behind the same text: not the first image's KV
+    assert ask(client, model, wide) == first
     models = client.models.list().data
     assert models[0].model_extra["meta"]["input_modalities"] == ["text", "image"]
 
@@ -63,14 +82,14 @@ def test_usage_counts_image_tokens(vision_server):
     client = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
     messages = [{"role": "user", "content": "What is in the picture?"}]
     text_only = client.chat.completions.create(
-        model="tiny-llava", messages=messages, max_tokens=1
+        model=vision_server.model, messages=messages, max_tokens=1
     ).usage.prompt_tokens
     messages = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_uri(sample_images()["tiny.gif"], "image/gif")}},
         {"type": "text", "text": "What is in the picture?"},
     ]}]  # fmt: skip
     with_image = client.chat.completions.create(
-        model="tiny-llava", messages=messages, max_tokens=1
+        model=vision_server.model, messages=messages, max_tokens=1
     ).usage.prompt_tokens
     assert with_image - text_only >= 576  # the image's tokens, plus its marker's newline
 
@@ -79,7 +98,7 @@ def test_anthropic_client_and_responses_take_images(vision_server):
     png = sample_images()["wide.png"]
     client = anthropic.Anthropic(base_url=vision_server.base_url, api_key="x")
     msg = client.messages.create(
-        model="tiny-llava", max_tokens=8,
+        model=vision_server.model, max_tokens=8,
         messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": base64.b64encode(png).decode()}},
@@ -89,7 +108,7 @@ def test_anthropic_client_and_responses_take_images(vision_server):
     assert msg.content[0].text and msg.usage.input_tokens > 576
     oa = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
     resp = oa.responses.create(
-        model="tiny-llava", max_output_tokens=8, temperature=0,
+        model=vision_server.model, max_output_tokens=8, temperature=0,
         input=[{"role": "user", "content": [
             {"type": "input_text", "text": "What is in the picture?"},
             {"type": "input_image", "image_url": data_uri(png), "detail": "auto"},
@@ -97,7 +116,7 @@ def test_anthropic_client_and_responses_take_images(vision_server):
     )  # fmt: skip
     assert resp.output_text and resp.usage.input_tokens > 576
     follow = oa.responses.create(
-        model="tiny-llava", max_output_tokens=4, previous_response_id=resp.id, input="And the colours?"
+        model=vision_server.model, max_output_tokens=4, previous_response_id=resp.id, input="And the colours?"
     )  # the first turn's image is still in the conversation
     assert follow.usage.input_tokens > resp.usage.input_tokens + 8
 
@@ -130,7 +149,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_images_are_400s_naming_the_problem(vision_server, case):
     uri, needle = BAD[case]
-    body = {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": [
+    body = {"model": vision_server.model, "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": uri}},
     ]}]}  # fmt: skip
     r = httpx.post(vision_server.base_url + "/v1/chat/completions", json=body, timeout=30)
@@ -142,18 +161,21 @@ def test_bad_images_are_400s_naming_the_problem(vision_server, case):
 def test_too_many_images_and_anthropic_error_shape(vision_server):
     uri = data_uri(sample_images()["tiny.gif"], "image/gif")
     part = {"type": "image_url", "image_url": {"url": uri}}
-    body = {"model": "tiny-llava", "messages": [{"role": "user", "content": [part, part, part]}]}
+    body = {"model": vision_server.model, "messages": [{"role": "user", "content": [part, part, part]}]}
     r = httpx.post(vision_server.base_url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "limit is 2" in r.json()["error"]["message"]
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "@@"}}
-    body = {"model": "tiny-llava", "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]}
+    body = {"model": vision_server.model, "max_tokens": 2, "messages": [{"role": "user", "content": [block]}]}
     r = httpx.post(vision_server.base_url + "/v1/messages", json=body, timeout=30)
     assert r.status_code == 400
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_text_marker_without_an_image_is_a_400(vision_server):
-    body = {"model": "tiny-llava", "messages": [{"role": "user", "content": "look: <image> what is it?"}]}
+    body = {
+        "model": vision_server.model,
+        "messages": [{"role": "user", "content": "look: <image> what is it?"}],
+    }
     r = httpx.post(vision_server.base_url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "<image>" in r.json()["error"]["message"]
 
@@ -171,7 +193,7 @@ def test_memory_flat_over_200_bad_requests(vision_server):
         with httpx.Client(timeout=30) as c:
             for i in range(n):
                 uri = cases[i % len(cases)][0]
-                body = {"model": "tiny-llava", "messages": [{"role": "user", "content": [
+                body = {"model": vision_server.model, "messages": [{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": uri}}]}]}  # fmt: skip
                 assert c.post(url, json=body).status_code == 400
 

@@ -61,7 +61,6 @@ class VisionSpec:
 
     image_token: int
     tokens_per_image: int
-    image_size: int  # pixels: the side of the square the encoder sees
 
 
 class Tokenizer(Protocol):

@@ -17,6 +17,7 @@ class LlamaCppSettings:
     cache_type_v: str = "f16"
     flash_attn: str = "auto"  # auto (llama.cpp decides), on, off
     use_mmap: bool = True
+    mmproj: str | None = None  # a LLaVA GGUF's vision projector (None: an mmproj GGUF found beside the model)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ class ServerSettings(BaseModel):
         default="auto", description="flash attention (auto: llama.cpp decides)"
     )
     seed: int | None = Field(default=None, description="default seed for requests that give none")
+    mmproj: str | None = Field(
+        default=None,
+        description="vision projector GGUF for a LLaVA text GGUF (llama.cpp; default: an mmproj GGUF beside it)",
+    )
     chat_template: str | None = Field(
         default=None, description="Jinja file overriding the model's chat template"
     )

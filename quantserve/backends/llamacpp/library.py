@@ -20,6 +20,7 @@ def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 
 
 _backend_ready = False
+_mtmd_ready = False
 
 
 def init_backend() -> None:
@@ -29,3 +30,14 @@ def init_backend() -> None:
         lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
         lc.llama_backend_init()
         _backend_ready = True
+
+
+def init_mtmd_log() -> None:
+    """Route libmtmd's log (its own, apart from llama.cpp's) the same way; call before loading a projector."""
+    global _mtmd_ready
+    if not _mtmd_ready:
+        import llama_cpp.mtmd_cpp as mtmd
+
+        mtmd.mtmd_log_set(_log_callback, ctypes.c_void_p(0))
+        mtmd.mtmd_helper_log_set(_log_callback, ctypes.c_void_p(0))
+        _mtmd_ready = True

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from quantserve.core.runner import LoadedModel, ModelInfo
 from quantserve.core.settings import EngineSettings
-from quantserve.errors import BackendUnavailableError, ConfigError
-from quantserve.formats import ModelSpec, detect, read_gguf_info
+from quantserve.errors import BackendUnavailableError, ConfigError, ModelFileError
+from quantserve.formats import ModelSpec, detect, find_mmproj, is_mmproj, read_gguf_info
 
 log = logging.getLogger("quantserve")
 
@@ -16,7 +17,6 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
     """A quantized HF checkpoint (GPTQ, AWQ, Marlin, compressed-tensors) as dense fp16 weights in a temporary
     directory (llama.cpp reads no such format); the handle keeps the directory alive while it is served."""
     import tempfile
-    from pathlib import Path
 
     from quantserve.quant.dequantize import dequantize_checkpoint
 
@@ -24,6 +24,30 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
     tmp = tempfile.TemporaryDirectory(prefix="quantserve-dequant-")
     dense = dequantize_checkpoint(spec.directory, Path(tmp.name) / "dense", dtype="float16")
     return detect(dense), tmp
+
+
+def _projector(gguf: Path, given: str | None) -> Path | None:
+    """The vision projector to load with `gguf`: the one given (checked), else one found beside it, else None.
+
+    Raises:
+        ModelFileError: the given file is no valid mmproj GGUF (checked before libmtmd sees it).
+    """
+    if given is None:
+        found = find_mmproj(gguf)
+        if found is not None:
+            log.info("vision projector %s found beside %s", found.name, gguf.name)
+        return found
+    path = Path(given).expanduser()
+    if not path.is_file():
+        raise ModelFileError(
+            f"--mmproj {given}: no such file; give the mmproj GGUF `quantserve convert` wrote"
+        )
+    if not is_mmproj(read_gguf_info(path)):
+        raise ModelFileError(
+            f"--mmproj {given} is a GGUF but not a vision projector (no clip.has_vision_encoder); give the "
+            "mmproj-*.gguf file"
+        )
+    return path
 
 
 def load_llamacpp(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
@@ -70,7 +94,8 @@ def load_llamacpp(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
         info.architecture,
         spec.quant.get("file_type", "?"),
     )
-    runner = LlamaCppRunner(gguf_path, settings, n_ctx_train=info.context_length)
+    mmproj = _projector(gguf_path, settings.llamacpp.mmproj)
+    runner = LlamaCppRunner(gguf_path, settings, n_ctx_train=info.context_length, mmproj=mmproj)
     return LoadedModel(
         runner=runner,
         info=ModelInfo(

@@ -16,7 +16,8 @@ import numpy as np
 
 from quantserve.backends.llamacpp.library import init_backend
 from quantserve.backends.llamacpp.sampler import SamplerChain
-from quantserve.core.runner import DropKV, KVCacheFull, KVSpec
+from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
+from quantserve.core.runner import DropKV, KVCacheFull, KVSpec, VisionSpec
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, ModelFileError
@@ -26,6 +27,7 @@ log = logging.getLogger("quantserve.llamacpp")
 
 MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+IMAGE_MARKER = "<image>"  # what LLaVA's chat templates write for an image: one token of its vocabulary
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
@@ -34,7 +36,9 @@ class LlamaCppRunner:
 
     Not thread-safe: the engine thread is its only caller (embeddings use a context of their own)."""
 
-    def __init__(self, path: Path, settings: EngineSettings, n_ctx_train: int | None = None):
+    def __init__(
+        self, path: Path, settings: EngineSettings, n_ctx_train: int | None = None, mmproj: Path | None = None
+    ):
         init_backend()
         self.path = Path(path)
         self.settings = settings
@@ -90,7 +94,6 @@ class LlamaCppRunner:
                 "sequences; lower --ctx-size, --kv-size or --max-num-seqs"
             )
         self.n_kv_cells = lc.llama_n_ctx(self.ctx)
-        self.vision = None  # text only (an mmproj through libmtmd is not wired in yet)
         # Sequences run in slots (llama.cpp seq ids). Per-sequence KV streams compute each run of consecutive slots
         # as its own pass over the weights (see execute), so the ledger keeps running slots packed; the unified
         # pool batches any set of sequences in one pass.
@@ -118,6 +121,29 @@ class LlamaCppRunner:
         self._eog = {t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)}
         self._samplers: dict[int, SamplerChain] = {}  # id(Sequence) -> chain
         self._embed_ctx = None
+        self.vision: VisionSpec | None = None
+        self._images: ImageDecoder | None = None
+        if mmproj is not None:
+            self._load_vision(mmproj, own.n_gpu_layers != 0)
+
+    def _load_vision(self, mmproj: Path, use_gpu: bool) -> None:
+        marker = self.tokenize(IMAGE_MARKER, add_special=False, parse_special=True)
+        if len(marker) != 1:
+            self.close()
+            raise ModelFileError(
+                f"the text model {self.path.name} has no {IMAGE_MARKER} token, which its chat template writes "
+                "for an image; convert the LLaVA checkpoint with `quantserve convert`, which keeps it"
+            )
+        try:
+            self._images = ImageDecoder(
+                MtmdVision(mmproj, self.model, n_threads=self.n_threads, use_gpu=use_gpu),
+                lc.llama_model_n_embd(self.model),
+                cache_size=2 * self.settings.max_num_seqs,
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.vision = VisionSpec(marker[0], self._images.tokens_per_image)
 
     # ---- vocabulary ---------------------------------------------------------------------------
 
@@ -189,6 +215,19 @@ class LlamaCppRunner:
     # ---- execution ----------------------------------------------------------------------------
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
+        results: list[SampledToken | None] = [None] * len(plan)
+        text: list[int] = []
+        for k, (seq, n) in enumerate(plan):
+            if any(s.offset < seq.num_computed + n and s.end > seq.num_computed for s in seq.images):
+                results[k] = self._execute_with_images(seq, n)
+            else:
+                text.append(k)
+        if text:
+            for k, r in zip(text, self._execute_tokens([plan[k] for k in text]), strict=True):
+                results[k] = r
+        return results
+
+    def _execute_tokens(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
         b = self.batch
         i = 0
         out_idx = [-1] * len(plan)
@@ -221,18 +260,28 @@ class LlamaCppRunner:
             if idx < 0:
                 results.append(None)
                 continue
-            chain = self._sampler(seq)
-            logits = None
-            if seq.params.logprobs or seq.guide is not None:
-                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
-            raw = logits.copy() if seq.params.logprobs and seq.guide is not None else logits
-            if seq.guide is not None:
-                # The grammar's mask goes straight into llama.cpp's logits, before the chain samples them.
-                seq.guide.mask(logits)
-            tok = chain.sample(self.ctx, idx)
-            lp = self._logprob(raw, tok, seq.params.top_logprobs) if seq.params.logprobs else None
-            results.append(SampledToken(tok, lp))
+            results.append(self._sample(seq, idx))
         return results
+
+    def _sample(self, seq: Sequence, idx: int) -> SampledToken:
+        """Sample seq's next token from the logits of batch row `idx` of the last decode."""
+        chain = self._sampler(seq)
+        logits = None
+        if seq.params.logprobs or seq.guide is not None:
+            logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ctx, idx), shape=(self.n_vocab,))
+        raw = logits.copy() if seq.params.logprobs and seq.guide is not None else logits
+        if seq.guide is not None:
+            # The grammar's mask goes straight into llama.cpp's logits, before the chain samples them.
+            seq.guide.mask(logits)
+        tok = chain.sample(self.ctx, idx)
+        lp = self._logprob(raw, tok, seq.params.top_logprobs) if seq.params.logprobs else None
+        return SampledToken(tok, lp)
+
+    def _execute_with_images(self, seq: Sequence, n: int) -> SampledToken | None:
+        assert self._images is not None, "images sent to a text model"
+        row = self._images.decode(self.ctx, self.batch, seq, n)
+        seq.num_computed += n
+        return self._sample(seq, row) if seq.num_computed == len(seq.tokens) else None
 
     def _sampler(self, seq: Sequence) -> SamplerChain:
         chain = self._samplers.get(id(seq))
@@ -315,6 +364,9 @@ class LlamaCppRunner:
         if self._embed_ctx:
             lc.llama_free(self._embed_ctx)
             self._embed_ctx = None
+        if getattr(self, "_images", None) is not None:
+            self._images.close()
+            self._images = None
         if self.ctx:
             lc.llama_batch_free(self.batch)
             lc.llama_free(self.ctx)

@@ -79,7 +79,7 @@ class TorchRunner:
         self.model = model
         self.vision_model, self.image_config = vision, image_config
         self.vision = (
-            VisionSpec(vision.args.image_token_index, vision.args.tokens_per_image, vision.args.image_size)
+            VisionSpec(vision.args.image_token_index, vision.args.tokens_per_image)
             if vision is not None
             else None
         )
