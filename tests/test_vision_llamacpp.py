@@ -117,3 +117,15 @@ def test_mmproj_found_beside_and_bad_mmproj_refused(llava, tmp_path):
         assert llm.vision is None
     finally:
         llm.close()
+
+
+def test_llava_directory_on_cpu_converts_with_its_projector(llava, tmp_path):
+    """`quantserve run LLAVA_DIR` without a GPU: llama.cpp after in-situ conversion, the mmproj written beside the
+    cached GGUF, so the model still takes images."""
+    hf, _, _ = llava
+    llm = load(str(hf), ctx_size=1024, max_num_seqs=1, cache_dir=str(tmp_path))
+    try:
+        assert llm.info.backend == "llamacpp" and llm.vision is not None
+        assert len(greedy(llm, *prompt(llm, "Describe the image.", [image("wide.png")]), n=3)) == 3
+    finally:
+        llm.close()

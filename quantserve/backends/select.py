@@ -22,7 +22,9 @@ BACKENDS = {
     "torch": "quantserve.backends.torch.loader:load_torch",
 }
 # What the torch backend can run, known here without importing torch (model.py and weights.py check the same).
-TORCH_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TORCH_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlavaForConditionalGeneration",
+)  # fmt: skip
 TORCH_LOAD_QUANTS = ("int4",)
 
 

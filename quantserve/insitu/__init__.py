@@ -10,6 +10,7 @@ from pathlib import Path
 
 from quantserve.errors import ConfigError
 from quantserve.formats import ModelSpec
+from quantserve.formats.hf_config import is_llava
 from quantserve.insitu.cache import QuantCache
 
 log = logging.getLogger("quantserve.insitu")
@@ -21,6 +22,7 @@ _SIDE_FILES = (
     "generation_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
+    "preprocessor_config.json",  # a LLaVA's image mean and std go into its mmproj
 )
 _DTYPE_QUANT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -42,6 +44,7 @@ def ensure_gguf(
         tmp = tempfile.TemporaryDirectory(prefix="quantserve-")
         out = Path(tmp.name) / "model.gguf"
         _convert(hf_to_gguf, directory, out, quant)
+        _projector(spec, directory, out)
         return out, tmp
     cache = QuantCache(Path(cache_dir) if cache_dir else None)
     sources = list(spec.files) + [directory / n for n in _SIDE_FILES if (directory / n).is_file()]
@@ -55,6 +58,7 @@ def ensure_gguf(
         return hit.path, None
     out = cache.store_dir(key) / "model.gguf"
     _convert(hf_to_gguf, directory, out, quant)
+    _projector(spec, directory, out)
     entry = cache.commit(key, out, directory, quant)
     log.info(
         "in-situ %s: cached as %s (%.1f MB); the next start skips the conversion",
@@ -73,3 +77,12 @@ def _convert(hf_to_gguf, src: Path, dst: Path, quant: str) -> None:
     except ValueError as exc:  # a converter bug surfacing as ValueError is still reported, with the quant
         raise ConfigError(f"in-situ conversion to {quant} failed: {exc}") from exc
     log.info("converted in %.1fs", time.perf_counter() - t)
+
+
+def _projector(spec: ModelSpec, src: Path, model_gguf: Path) -> None:
+    """A LLaVA's vision projector at f16 beside its language model, where the llama.cpp backend finds it."""
+    if is_llava(spec.config or {}):
+        from quantserve.gguf.mmproj import hf_to_mmproj
+
+        hf_to_mmproj(src, model_gguf.parent / "mmproj-f16.gguf", "f16", force=True)
+        log.info("wrote the vision projector beside it (mmproj, f16)")

@@ -39,13 +39,6 @@ _RENAMES = (
 _TEXT_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def is_llava(config: dict[str, Any]) -> bool:
-    return (
-        "LlavaForConditionalGeneration" in (config.get("architectures") or [])
-        or config.get("model_type") == "llava"
-    )
-
-
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
     """The language model's config.json, as a plain checkpoint of it would have it."""
     text = dict(config.get("text_config") or {})

@@ -6,11 +6,11 @@ import logging
 
 import torch
 
-from quantserve.backends.torch.llava import is_llava
 from quantserve.core.runner import LoadedModel, ModelInfo
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
+from quantserve.formats.hf_config import is_llava
 
 log = logging.getLogger("quantserve.torch")
 

@@ -21,6 +21,7 @@ from quantserve.backends.torch import llava
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import ModelSpec
+from quantserve.formats.hf_config import is_llava
 
 log = logging.getLogger("quantserve.torch")
 
@@ -112,9 +113,7 @@ def load_model(
     """
     t0 = time.perf_counter()
     config = spec.config or {}
-    if llava.is_llava(
-        config
-    ):  # its language model, named as in a plain checkpoint (the vision side: llava.py)
+    if is_llava(config):  # its language model, named as in a plain checkpoint (the vision side: llava.py)
         args, name = ModelArgs.from_hf_config(llava.text_config(config)), llava.rename
     else:
         args, name = ModelArgs.from_hf_config(config), str
