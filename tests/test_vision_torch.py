@@ -222,3 +222,78 @@ def test_expand_images_places_each_image():
     tokens, spans = expand_images([1, 9, 2, 9, 3], 9, [img_a, img_b], 3)
     assert tokens == [1, 9, 9, 9, 2, 9, 9, 9, 3]
     assert [(s.offset, s.length, s.image) for s in spans] == [(1, 3, img_a), (5, 3, img_b)]
+
+
+def _gptq_llava(src, work):
+    """A LLaVA whose language model is GPTQ (RTN-rounded, quantized by `quantserve convert` as a plain Llama),
+    with the vision tower and projector kept dense: the layout GPTQ LLaVA checkpoints have."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+    from safetensors.numpy import load_file, save_file
+
+    from quantserve.cli import main
+
+    config = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    text = work / "text"
+    text.mkdir()
+    (text / "config.json").write_text(
+        json.dumps({**config["text_config"], "architectures": ["LlamaForCausalLM"]})
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, text / name)
+    lm = {k.removeprefix("language_model."): v for k, v in tensors.items() if k.startswith("language_model.")}
+    save_file(lm, str(text / "model.safetensors"))
+    args = [
+        "convert",
+        "--src",
+        str(text),
+        "--dst",
+        str(work / "text-gptq"),
+        "--quant",
+        "rtn",
+        "--group-size",
+        "64",
+    ]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    quantized = load_file(str(next((work / "text-gptq").glob("*.safetensors"))))
+    out = work / "llava-gptq"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("model.safetensors"))
+    merged = {f"language_model.{k}": v for k, v in quantized.items()}
+    merged |= {k: v for k, v in tensors.items() if not k.startswith("language_model.")}
+    save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
+    qconfig = json.loads((work / "text-gptq" / "config.json").read_text())["quantization_config"]
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
+    return out
+
+
+def test_gptq_language_model_equals_its_dequantized_reference(smollm2_hf, tmp_path):
+    """A GPTQ LLaVA on the torch backend (Marlin W4A16 language model, dense vision) against transformers on the
+    exactly dequantized checkpoint."""
+    from PIL import Image as PILImage
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    src = build_tiny_llava(tmp_path / "llava-128", smollm2_hf, text_hidden=128)
+    gptq = _gptq_llava(src, tmp_path)
+    llm = load(gptq)
+    try:
+        assert llm.info.format == "gptq"
+        img = image("wide.png")
+        _, tokens, spans = chat(llm, "Describe the image.", [img])
+        ours = prompt_logits(llm, tokens, spans)
+    finally:
+        llm.close()
+    dense = dequantize_checkpoint(gptq, tmp_path / "dense", dtype="float32")
+    model = LlavaForConditionalGeneration.from_pretrained(dense, dtype=torch.float32).eval()
+    pixels = (
+        AutoProcessor.from_pretrained(src)
+        .image_processor(PILImage.open(io.BytesIO(img.data)), return_tensors="pt")
+        .pixel_values
+    )
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0, -1]
+    assert (ours - ref).abs().max() / ref.abs().max() < 1e-3
