@@ -216,3 +216,50 @@ def test_text_only_model_refuses_images(server):
         {"type": "image_url", "image_url": {"url": data_uri(buf.getvalue())}}]}]}  # fmt: skip
     r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and "takes text only" in r.json()["error"]["message"]
+
+
+def test_image_url_from_an_allowed_host_and_urls_switched_off(tiny_llava, tmp_path):
+    """A URL is fetched from a host the operator allowed (a local server here, private, so named explicitly);
+    --no-image-urls refuses URLs and still takes data: URIs."""
+    import http.server
+    import threading
+
+    png = sample_images()["tall.jpg"]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "image/jpeg")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.jpg"
+    model = str(tiny_llava["torch"])
+    try:
+        for flags, expect in ((("--allowed-media-domains", "127.0.0.1"), 200), (("--no-image-urls",), 400)):
+            srv = start_server(tmp_path, model, "--backend", "torch", "--ctx-size", "2048", *flags)
+            try:
+                content = [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What?"},
+                ]
+                body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+                r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+                assert r.status_code == expect, r.text
+                if expect == 400:
+                    assert "--no-image-urls" in r.json()["error"]["message"]
+                    content[0]["image_url"]["url"] = data_uri(png, "image/jpeg")
+                    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+                    assert r.status_code == 200, r.text
+                else:
+                    assert r.json()["usage"]["prompt_tokens"] > 576
+            finally:
+                srv.stop()
+    finally:
+        httpd.shutdown()
