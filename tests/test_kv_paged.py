@@ -165,3 +165,54 @@ def test_no_block_leaks_when_shared_sequences_are_cancelled():
     for s in [first, *others]:  # cancelled, in any order
         kv.deallocate(s)
     assert kv.num_used == 0 and all(r == 0 for r in kv.ref) and kv.num_free_blocks == 16
+
+
+def _image(data: bytes):
+    import numpy as np
+
+    from quantserve.core.multimodal import Image
+
+    return Image(data, np.zeros((2, 2, 3), dtype=np.uint8))
+
+
+def with_image(image, n_text_before: int = 3, n_image: int = 10, n_after: int = 5) -> Sequence:
+    """A prompt of text, an image's placeholder tokens (all 99), then text."""
+    from quantserve.core.multimodal import ImageSpan
+
+    tokens = list(range(1, n_text_before + 1)) + [99] * n_image + list(range(50, 50 + n_after))
+    s = seq(tokens)
+    s.images = [ImageSpan(n_text_before, n_image, image)]
+    return s
+
+
+def test_prefix_cache_keys_image_positions_on_the_image_bytes():
+    kv = PagedKV(20, 4)
+    first = prefilled(kv, with_image(_image(b"cat")))
+    kv.deallocate(first)
+    other = with_image(_image(b"dog"))  # same tokens, another image
+    kv.allocate(other)
+    assert (
+        other.num_computed == 0
+    )  # only block 0 holds text alone, and it ends inside the image: no full block before
+    kv.deallocate(other)
+    again = with_image(_image(b"cat"))
+    kv.allocate(again)
+    assert again.num_computed == 16  # every full block before the last token: the same image's KV
+
+
+def test_slot_prefix_cache_never_reuses_part_of_an_image():
+    from quantserve.engine.kv import SlotKV
+
+    kv = SlotKV(1, 64, shared=False, prefix_caching=True)
+    cat = _image(b"cat")
+    first = with_image(cat)
+    kv.allocate(first)
+    first.num_computed = 8  # cancelled in the middle of its image's positions
+    kv.deallocate(first)
+    again = with_image(cat)
+    kv.allocate(again)
+    assert again.num_computed == 3  # the text before the image; libmtmd's image is decoded whole
+    kv.deallocate(again)
+    other = with_image(_image(b"dog"))
+    kv.allocate(other)
+    assert other.num_computed == 3
