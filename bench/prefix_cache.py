@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from constrained import hf_checkpoint  # noqa: E402
-from serving import ServerDef, free_port, machine_info, start, stop, versions, wait_serving  # noqa: E402
+from serving import ServerDef, free_port, machine_info, save_record, start, stop, versions, wait_serving  # noqa: E402
 
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
 
@@ -117,12 +116,7 @@ def write(args, ttfts: dict[str, list[float]]) -> None:
         lines.append(f"| {backend} | {1000 * on:.0f} ms | {1000 * off:.0f} ms | **{on / off:.3f}** |")
     lines += ["", "Every round (ms):", ""]
     lines += [f"- {k}: " + ", ".join(f"{1000 * x:.0f}" for x in v) for k, v in ttfts.items()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{name}.json").write_text(
-        json.dumps({"machine": info, "ttft_s": ttfts, "median": med}, indent=1)
-    )
-    print("\n".join(lines))
+    save_record(args.out, name, lines, {"machine": info, "ttft_s": ttfts, "median": med})
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import os
 import platform
 import shlex
@@ -144,6 +145,14 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+def save_record(out: Path, name: str, lines: list[str], data: dict) -> None:
+    """A benchmark's record: bench/results/NAME.md (the report, also printed) and NAME.json (the raw numbers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
+    print("\n".join(lines))
 
 
 def machine_info() -> dict:

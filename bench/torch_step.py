@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import statistics
 import subprocess
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from constrained import hf_checkpoint  # noqa: E402
-from serving import ServerDef, free_port, machine_info, stop, versions, wait_serving  # noqa: E402
+from serving import ServerDef, free_port, machine_info, save_record, stop, versions, wait_serving  # noqa: E402
 
 from quantserve.cli.loadgen import LoadSpec, run_load  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
@@ -129,12 +128,7 @@ def write(args, trees, levels, results) -> None:
     for t, by in results.items():
         for lv, rs in by.items():
             lines.append(f"- {t}, {lv} streams: " + ", ".join(f"{r['tok_s']:.1f}" for r in rs))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{name}.json").write_text(
-        json.dumps({"machine": info, "results": results, "median": med}, indent=1)
-    )
-    print("\n".join(lines))
+    save_record(args.out, name, lines, {"machine": info, "results": results, "median": med})
 
 
 if __name__ == "__main__":

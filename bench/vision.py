@@ -18,14 +18,12 @@ import argparse
 import base64
 import datetime as dt
 import io
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from constrained import hf_checkpoint  # noqa: E402
-from serving import ServerDef, free_port, machine_info, start, stop, versions, wait_serving  # noqa: E402
+from prefix_cache import ttft  # noqa: E402
+from serving import ServerDef, free_port, machine_info, save_record, start, stop, versions, wait_serving  # noqa: E402
 
 from quantserve.core.multimodal import Image  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
@@ -100,25 +99,13 @@ def encode_times(backend: str, model: Path, rounds: int, threads: int) -> list[f
         llm.close()
 
 
-def ttft(base_url: str, png: bytes) -> float:
+def image_ttft(base_url: str, png: bytes) -> float:
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     content = [
         {"type": "image_url", "image_url": {"url": uri}},
         {"type": "text", "text": "Describe the image."},
     ]
-    body = {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 4,
-        "temperature": 0,
-        "stream": True,
-    }
-    t0 = time.perf_counter()
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                return time.perf_counter() - t0
-    raise RuntimeError("no content came back")
+    return ttft(base_url, [{"role": "user", "content": content}])
 
 
 def ttfts(backend: str, model: Path, rounds: int, threads: int, logs: Path) -> list[float]:
@@ -132,10 +119,10 @@ def ttfts(backend: str, model: Path, rounds: int, threads: int, logs: Path) -> l
     try:
         wait_serving(sd, proc, log, 300)
         url = f"http://127.0.0.1:{port}"
-        ttft(url, picture(0)[0])  # warm-up
+        image_ttft(url, picture(0)[0])  # warm-up
         out = []
         for rnd in range(rounds):
-            out.append(ttft(url, picture(2000 + rnd)[0]))
+            out.append(image_ttft(url, picture(2000 + rnd)[0]))
             print(f"{backend:9s} round {rnd}: TTFT {1000 * out[-1]:.0f} ms", flush=True)
         return out
     finally:
@@ -191,12 +178,7 @@ def write(args, encode: dict[str, list[float]], first: dict[str, list[float]]) -
     ]
     lines += [f"- {b}, encode: " + ", ".join(f"{1000 * x:.0f}" for x in v) for b, v in encode.items()]
     lines += [f"- {b}, TTFT: " + ", ".join(f"{1000 * x:.0f}" for x in v) for b, v in first.items()]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{name}.json").write_text(
-        json.dumps({"machine": info, "encode_s": encode, "ttft_s": first}, indent=1)
-    )
-    print("\n".join(lines))
+    save_record(args.out, name, lines, {"machine": info, "encode_s": encode, "ttft_s": first})
 
 
 if __name__ == "__main__":

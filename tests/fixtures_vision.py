@@ -16,6 +16,22 @@ import numpy as np
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE, PATCH = 336, 14
+LLAVA_PROCESSOR = {  # llava-hf's preprocessor_config.json
+    "image_processor_type": "LlavaImageProcessor",
+    "processor_class": "LlavaProcessor",
+    "do_pad": True,
+    "do_resize": True,
+    "size": {"shortest_edge": IMAGE_SIZE},
+    "resample": 3,
+    "do_center_crop": True,
+    "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "do_convert_rgb": True,
+}
 # llava-hf's template, shortened: content parts in order, an image part as <image>.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
@@ -107,23 +123,7 @@ def build_tiny_llava(
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
     model.to(getattr(torch, dtype)).save_pretrained(dst, safe_serialization=True)
-    processor = {
-        "image_processor_type": "LlavaImageProcessor",
-        "processor_class": "LlavaProcessor",
-        "do_pad": True,
-        "do_resize": True,
-        "size": {"shortest_edge": IMAGE_SIZE},
-        "resample": 3,
-        "do_center_crop": True,
-        "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "do_convert_rgb": True,
-    }
-    (dst / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+    (dst / "preprocessor_config.json").write_text(json.dumps(LLAVA_PROCESSOR, indent=2))
     (dst / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (dst / "processor_config.json").write_text(
         json.dumps({"processor_class": "LlavaProcessor", "image_token": IMAGE_TOKEN, "patch_size": PATCH,

@@ -31,7 +31,7 @@ from quantserve.vision import fetch as fetch_mod
 from quantserve.vision.fetch import MediaPolicy, address_refusal, fetch_image, load_image
 from quantserve.vision.images import ImageLimits, check_image_count, decode_image, parse_data_uri
 from quantserve.vision.preprocess import ImageProcessorConfig, pixel_values
-from tests.fixtures_vision import sample_images
+from tests.fixtures_vision import LLAVA_PROCESSOR, sample_images
 
 W = "messages[0].content[1]"
 
@@ -66,22 +66,6 @@ IMAGES = {**sample_images(), **_extra_images()}
 
 # ---- preprocessing against transformers ----------------------------------------------------------------------
 
-LLAVA_PROCESSOR = {  # what tests/fixtures_vision.build_tiny_llava writes
-    "image_processor_type": "LlavaImageProcessor",
-    "processor_class": "LlavaProcessor",
-    "do_pad": True,
-    "do_resize": True,
-    "size": {"shortest_edge": 336},
-    "resample": 3,
-    "do_center_crop": True,
-    "crop_size": {"height": 336, "width": 336},
-    "do_rescale": True,
-    "rescale_factor": 1 / 255,
-    "do_normalize": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "do_convert_rgb": True,
-}
 CONFIGS = {
     "llava-pad": LLAVA_PROCESSOR,
     "clip-nopad": {**LLAVA_PROCESSOR, "image_processor_type": "CLIPImageProcessor", "do_pad": False},
