@@ -123,3 +123,40 @@ def test_block_count_that_aborts_llama_cpp_is_refused_first(work_copy, value):
         f.write(original)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "block_count" in r.stderr
+
+
+# llama.cpp alone, without our validator: the oracle for what it survives.
+RAW_CHILD = """
+import sys
+import llama_cpp as lc
+lc.llama_backend_init()
+params = lc.llama_model_default_params()
+params.vocab_only = True
+model = lc.llama_model_load_from_file(sys.argv[1].encode(), params)
+sys.exit(0 if model else 3)
+"""
+
+
+def test_vocabulary_with_a_repeated_token_is_refused_before_llama_cpp_aborts(work_copy, tmp_path):
+    """Found by a fuzz run: two equal token strings pass a structural check, and llama.cpp then aborts the whole
+    process (GGML_ASSERT id_to_token.size() == token_to_id.size()). The validator must refuse the file."""
+    import struct
+
+    from quantserve.errors import ModelFileError
+
+    info = read_gguf_info(work_copy)
+    tokens = info.metadata["tokenizer.ggml.tokens"]
+    a = next(i for i in range(1000, len(tokens)) if len(tokens[i].encode()) == len(tokens[i + 1].encode()))
+    data = bytearray(work_copy.read_bytes())
+    raw_a, raw_b = (struct.pack("<Q", len(t.encode())) + t.encode() for t in (tokens[a], tokens[a + 1]))
+    at = data.find(raw_a + raw_b)
+    assert at > 0
+    data[at + len(raw_a) : at + 2 * len(raw_a)] = raw_a  # token a + 1 becomes a copy of token a
+    bad = tmp_path / "repeated-token.gguf"
+    bad.write_bytes(data)
+    raw = subprocess.run([sys.executable, "-c", RAW_CHILD, str(bad)], capture_output=True, timeout=120)
+    assert raw.returncode < 0, "llama.cpp no longer aborts on this file; the check may be relaxed"
+    with pytest.raises(ModelFileError, match=rf"twice \(ids {a} and {a + 1}\)"):
+        read_gguf_info(bad)
+    r = _load(bad)
+    assert r.returncode == 2 and "twice" in r.stderr, r.stderr[-2000:]

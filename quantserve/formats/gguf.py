@@ -23,6 +23,7 @@ DEFAULT_ALIGNMENT = 32  # ggml's GGUF_DEFAULT_ALIGNMENT
 MAX_COUNT = 1_000_000  # tensors or KV pairs; real models have a few thousand at most
 MAX_KEY_BYTES = 64 * 1024
 MAX_STRING_BYTES = 4 * 1024 * 1024  # chat templates reach tens of KB; nothing legitimate is near this
+VOCAB_KEY = "tokenizer.ggml.tokens"
 MAX_ARRAY_LEN = 1 << 24  # vocabularies are ≤ ~1M tokens
 MAX_ARRAY_DEPTH = 4
 MAX_TENSOR_NAME = 63  # ggml's GGML_MAX_NAME is 64 including the NUL
@@ -143,6 +144,10 @@ class _Parser:
         # The hot loop for 50k–250k token vocabularies: locals only, one bounds check per element.
         buf, size, pos, unpack, out = self.buf, self.size, self.pos, _U64.unpack_from, []
         append = out.append
+        # llama.cpp maps each token's bytes back to its id and asserts that no two tokens share bytes
+        # (GGML_ASSERT in llama-vocab.cpp: the whole process aborts), renaming an empty token "[EMPTY_<i>]" first.
+        # So a vocabulary is checked here, on the raw bytes (decoding with "replace" could merge distinct ones).
+        seen: dict[bytes, int] | None = {} if key == VOCAB_KEY else None
         for i in range(count):
             if pos + 8 > size:
                 self.pos = pos
@@ -158,6 +163,15 @@ class _Parser:
                     )
                 self.need(8 + n, f"element {i} of '{key}'")
             append(str(buf[pos + 8 : end], "utf-8", "replace"))
+            if seen is not None:
+                raw = bytes(buf[pos + 8 : end]) or f"[EMPTY_{i}]".encode()
+                first = seen.setdefault(raw, i)
+                if first != i:
+                    self.pos = pos
+                    raise self.fail(
+                        f"'{key}' holds the token {raw!r} twice (ids {first} and {i}); llama.cpp would abort on "
+                        f"this vocabulary; {_fix(False)}"
+                    )
             pos = end
         self.pos = pos
         return out
