@@ -161,10 +161,10 @@ def _tiff() -> bytes:
     "data, limits, match",
     [
         (b"\0" * 3000, ImageLimits(max_bytes=2048), "is 2.9 KiB; the limit is 2 KiB per image (--max-image-bytes)"),
-        (_png_header(20000, 20000), ImageLimits(), "is 20000x20000 pixels (400 MP); the limit is 40 MP"),
+        (_png_header(20000, 20000), ImageLimits(), "is 20000x20000 pixels (400 MP); the limit is 16.8 MP"),
         (_png_header(65535, 65535), ImageLimits(), "65535x65535 pixels"),  # past Pillow's own DecompressionBombError
         (_png_header(300, 300), ImageLimits(max_pixels=50_000), "(0.09 MP); the limit is 0.05 MP (--max-image-pixels)"),
-        (_gif_with_huge_first_frame(), ImageLimits(), "the limit is 40 MP"),
+        (_gif_with_huge_first_frame(), ImageLimits(), "the limit is 16.8 MP"),
         (IMAGES["wide.png"][: len(IMAGES["wide.png"]) // 2], ImageLimits(), "is a truncated or corrupt PNG"),
         (IMAGES["tall.jpg"][: len(IMAGES["tall.jpg"]) // 2], ImageLimits(), "is a truncated or corrupt JPEG"),
         (IMAGES["square.webp"][:40], ImageLimits(), "is a truncated or corrupt WebP"),

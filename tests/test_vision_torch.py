@@ -297,3 +297,19 @@ def test_gptq_language_model_equals_its_dequantized_reference(smollm2_hf, tmp_pa
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([tokens]), pixel_values=pixels).logits[0, -1]
     assert (ours - ref).abs().max() / ref.abs().max() < 1e-3
+
+
+def test_images_count_toward_the_context(llava_dir):
+    from quantserve.errors import ContextLengthExceededError
+    from quantserve.llm import load as load_llm
+
+    llm = load_llm(str(llava_dir), backend="torch", ctx_size=1024, max_num_seqs=1)
+    try:
+        one = chat(llm, "Describe the image.", [image("wide.png")])[1]
+        assert llm.check_context(len(one), 16) == 16
+        two = chat(llm, "Compare the images.", [image("wide.png"), image("tall.jpg")])[1]
+        assert len(two) > 1024
+        with pytest.raises(ContextLengthExceededError):
+            llm.check_context(len(two), 16)
+    finally:
+        llm.close()

@@ -72,7 +72,10 @@ class ServerSettings(BaseModel):
     )
     max_images: int = Field(default=8, ge=0, description="images per request")
     max_image_pixels: int = Field(
-        default=40_000_000, ge=1, description="pixels per image (a guard against decompression bombs)"
+        default=4096 * 4096,
+        ge=1,
+        description="pixels per image, width x height (a guard against decompression bombs; the decoded image "
+        "takes 3 bytes a pixel, so a request may hold up to --max-images x this x 3 bytes)",
     )
     image_urls: bool = Field(
         default=True,

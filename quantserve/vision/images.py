@@ -28,7 +28,9 @@ class ImageLimits:
 
     max_bytes: int = 20 * MIB  # per encoded image
     max_images: int = 8  # per request
-    max_pixels: int = 40_000_000  # width x height: a decompression bomb is small on the wire, huge in memory
+    max_pixels: int = (
+        4096 * 4096
+    )  # width x height: a bomb is small on the wire, huge in memory (3 bytes a pixel)
 
 
 def format_bytes(n: int | float) -> str:
