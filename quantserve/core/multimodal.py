@@ -1,11 +1,11 @@
 """Images in a prompt, as the engine and both backends see them.
 
 An image arrives as an encoded file (PNG, JPEG, WebP, GIF), checked and decoded once at the HTTP boundary
-(quantserve.vision.images). In the prompt it becomes a run of placeholder tokens, as many as the vision encoder
+(quantserve.vision.images). In the prompt it becomes a run of image tokens, as many as the vision encoder
 produces embeddings for it; an `ImageSpan` says where that run sits. The backends replace the run's embeddings with
 the image's (torch) or evaluate the image in its place (llama.cpp's libmtmd).
 
-The placeholder tokens are the same for every image, so the KV prefix caches key each image by `digest`, a hash of
+The image tokens are the same for every image, so the KV prefix caches key each image by `digest`, a hash of
 its bytes: two prompts with the same text and different images never share the image's KV.
 """
 

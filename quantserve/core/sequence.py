@@ -85,7 +85,7 @@ class Sequence:
 
     @property
     def cache_tokens(self) -> list:
-        """`tokens` as the KV prefix caches compare them: an image's placeholder tokens become (digest, index)
+        """`tokens` as the KV prefix caches compare them: an image's positions become (digest, index)
         pairs, so that a cached prefix matches only the same images."""
         if not self.images:
             return self.tokens

@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -119,6 +120,31 @@ async def merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceO
     finally:
         for g in gens:
             g.close()
+
+
+class EventEncoder(Protocol):
+    """One API's streaming shape: a reply event in, SSE chunks out; close() ends what is open."""
+
+    def take(self, event: Event) -> list[bytes]: ...
+
+    def close(self) -> list[bytes]: ...
+
+
+async def stream_reply(
+    gens: list[RequestStream], choice: Choice, encoder: EventEncoder, on_first: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """The SSE chunks of a one-choice reply as it is generated (`on_first` at its first output), then the
+    encoder's closing chunks."""
+    first = True
+    async for _, out in merge(gens):
+        if first:
+            on_first()
+            first = False
+        for event in choice.take(out):
+            for chunk in encoder.take(event):
+                yield chunk
+    for chunk in encoder.close():
+        yield chunk
 
 
 def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str, images=None):

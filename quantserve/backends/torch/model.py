@@ -229,10 +229,10 @@ class Transformer(nn.Module):
             max_position = input_ids.shape[-1] - 1
         rope = self.rotary(positions, max_position)  # once, for every layer
         x = self.model.embed_tokens(input_ids)
-        if step is not None and step.image_embeds is not None:
-            x[step.image_rows] = step.image_embeds.to(
-                x.dtype
-            )  # images' embeddings at their placeholder tokens
+        if (
+            step is not None and step.image_embeds is not None
+        ):  # each image position takes its image's embedding
+            x[step.image_rows] = step.image_embeds.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, step)
         return self.model.norm(x)

@@ -28,9 +28,9 @@ from quantserve.server.generation import (
     Choice,
     collect,
     event_stream,
-    merge,
     sse,
     start_chat,
+    stream_reply,
     until_disconnect,
 )
 from quantserve.server.state import ServerState
@@ -160,16 +160,7 @@ async def messages(body: MessagesRequest, request: Request):
             start = {**base, "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(c)}
             yield sse({"type": "message_start", "message": start}, event="message_start")
             yield sse({"type": "ping"}, event="ping")
-            blocks = _Blocks()
-            first = True
-            async for _, out in merge(gens):
-                if first:
-                    state.observe_ttft(t0)
-                    first = False
-                for event in c.take(out):
-                    for chunk in blocks.take(event):
-                        yield chunk
-            for chunk in blocks.close():
+            async for chunk in stream_reply(gens, c, _Blocks(), lambda: state.observe_ttft(t0)):
                 yield chunk
             state.record(choices, [tokens], t0)
             reason, seq = _stop(c)

@@ -17,9 +17,9 @@ from quantserve.server.generation import (
     Choice,
     collect,
     event_stream,
-    merge,
     sse,
     start_chat,
+    stream_reply,
     until_disconnect,
 )
 from quantserve.server.responses.protocol import (
@@ -211,15 +211,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         async def stream():
             yield events.ev("response.created", response=base)
             yield events.ev("response.in_progress", response=base)
-            first = True
-            async for _, out in merge(gens):
-                if first:
-                    state.observe_ttft(t0)
-                    first = False
-                for event in c.take(out):
-                    for chunk in events.take(event):
-                        yield chunk
-            for chunk in events.close():
+            async for chunk in stream_reply(gens, c, events, lambda: state.observe_ttft(t0)):
                 yield chunk
             done = _finished(base, c, events.items)
             keep(done, events.items)
