@@ -229,9 +229,8 @@ class Transformer(nn.Module):
             max_position = input_ids.shape[-1] - 1
         rope = self.rotary(positions, max_position)  # once, for every layer
         x = self.model.embed_tokens(input_ids)
-        if (
-            step is not None and step.image_embeds is not None
-        ):  # each image position takes its image's embedding
+        # each image position takes its image's embedding instead of its token's
+        if step is not None and step.image_embeds is not None:
             x[step.image_rows] = step.image_embeds.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, step)
