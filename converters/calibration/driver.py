@@ -124,13 +124,17 @@ def quantize_model(
     scale_dtype: torch.dtype = torch.float16,
     device: str | torch.device | None = None,
     batch_size: int = 8,
+    overrides: dict[str, tuple[int, int]] | None = None,
     progress: bool = True,
 ) -> Iterator[QuantizedLinear | DenseTensor]:
     """Quantize every decoder linear of a dense llama/mistral/qwen2/qwen3 checkpoint, one layer at a time.
 
     Args:
         src_dir: HF model directory (config.json + fp16/bf16/fp32 safetensors).
-        method: "rtn", "gptq" or "awq" (AWQ: sym=False is AutoAWQ's zero_point=True; act_order must be off).
+        method: "rtn", "gptq", "awq" (AWQ: sym=False is AutoAWQ's zero_point=True; act_order must be off) or
+            "awq-gptq" (AWQ's scales, then GPTQ's rounding).
+        overrides: (bits, group_size) for some linears by prefix (model.layers.28.mlp.down_proj), the rest
+            take `bits`/`group_size`: a mixed-precision recipe (recipes.py).
         calib_tokens: int64 [n_samples, seq_len]; None: the built-in text through the model's tokenizer
             (calibration_tokens). Ignored by rtn.
         batch_size: calibration samples per forward call.
@@ -154,7 +158,7 @@ def quantize_model(
     args = ModelArgs.from_hf_config(spec.config)
     opt = QuantizeOptions(
         method, bits, group_size, sym, act_order, damp_percent, static_groups, true_sequential, duo_scaling,
-        scale_dtype, batch_size,
+        scale_dtype, batch_size, tuple(sorted((overrides or {}).items())),
     )  # fmt: skip
     opt.check(args)
     if opt.calibrated:
@@ -208,7 +212,9 @@ def _stream(
             dtypes[name] = src.dtype
             used.add(prefix + name)
         del src
-        results = LAYER_METHODS[opt.method](block, hidden, rope if hidden is not None else None, opt)
+        results = LAYER_METHODS[opt.method](
+            block, hidden, rope if hidden is not None else None, replace(opt, layer=i)
+        )
         for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
             if name.removesuffix(".weight") not in LINEARS:
                 p.copy_(p.to(dtypes[name]))

@@ -56,10 +56,17 @@ class QuantizeOptions:
     duo_scaling: bool = False
     scale_dtype: torch.dtype = torch.float16
     batch_size: int = 8
+    # Per-linear (bits, group_size) by full prefix (model.layers.28.mlp.down_proj): a mixed-precision recipe.
+    overrides: tuple[tuple[str, tuple[int, int]], ...] = ()
+    layer: int = 0  # the decoder layer being quantized (set by the driver)
 
     @property
     def calibrated(self) -> bool:
         return self.method != "rtn"
+
+    def bits_for(self, name: str) -> tuple[int, int]:
+        """(bits, group_size) for the linear `name` (self_attn.q_proj) of the current layer."""
+        return dict(self.overrides).get(f"model.layers.{self.layer}.{name}", (self.bits, self.group_size))
 
     def check(self, args: ModelArgs) -> None:
         """Raises ConfigError for an unknown method or options that cannot apply to this model's shapes."""
@@ -79,6 +86,12 @@ class QuantizeOptions:
             ("down_proj", args.intermediate_size),
         ):
             check_quant_args(k, self.bits, self.group_size, name)
+        for prefix, (bits, group) in self.overrides:
+            kind = prefix.rsplit(".", 1)[-1]
+            k = args.intermediate_size if kind == "down_proj" else (
+                args.num_attention_heads * args.head_dim if kind == "o_proj" else args.hidden_size
+            )  # fmt: skip
+            check_quant_args(k, bits, group, prefix)
 
 
 class _Stop(Exception):
@@ -136,7 +149,7 @@ def quantize_block_rtn(block: TransformerBlock, hidden, rope, opt: QuantizeOptio
     out: LayerResult = {}
     for name in LINEARS:
         w = block.get_submodule(name).weight
-        out[name] = quantize_rtn(w, opt.bits, opt.group_size, opt.sym, opt.scale_dtype, name), None
+        out[name] = quantize_rtn(w, *opt.bits_for(name), opt.sym, opt.scale_dtype, name), None
         _set(block, name, out[name][0])
     return out
 
@@ -151,7 +164,7 @@ def quantize_block_gptq(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
             src = SAME_INPUT.get(name, name)
             last = all(SAME_INPUT.get(m, m) != src for m in group[group.index(name) + 1 :])
             r = gptq[src].fasterquant(
-                block.get_submodule(name).weight, opt.bits, opt.group_size, opt.sym, opt.act_order,
+                block.get_submodule(name).weight, *opt.bits_for(name), opt.sym, opt.act_order,
                 opt.damp_percent, static_groups=opt.static_groups, scale_dtype=opt.scale_dtype, name=name,
                 keep_hessian=not last,
             )  # fmt: skip
@@ -190,7 +203,10 @@ def fold_awq_scales(
             m.weight.copy_(w)
 
 
-def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
+def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
+    """AWQ's scale search for the block's four input groups, folded into the block in place (its function is
+    unchanged until the weights are rounded). Returns, per linear, (its captured input, the scale that
+    input is now divided by, or None), which the clipping search needs."""
     attn, mlp = block.self_attn, block.mlp
     feats: dict[str, list[torch.Tensor]] = {}
     hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
@@ -218,28 +234,38 @@ def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptio
     s_mlp = search(x_mlp, [mlp.gate_proj.weight, mlp.up_proj.weight], mlp_fn)
     s_down = search(x_down, [mlp.down_proj.weight], linear_fn)
     fold_awq_scales(block, s_qkv, s_o, s_mlp, s_down)
-
-    # Clipping is searched on the scaled weights against the scaled inputs x / s (AutoAWQ's order).
     inputs = {n: (x_qkv, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_o, s_o)}
-    inputs |= {
+    return inputs | {
         "mlp.gate_proj": (x_mlp, s_mlp),
         "mlp.up_proj": (x_mlp, s_mlp),
         "mlp.down_proj": (x_down, s_down),
     }
+
+
+def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
+    inputs = awq_scale_block(block, hidden, rope, opt)
+    # Clipping is searched on the scaled weights against the scaled inputs x / s (AutoAWQ's order).
     out: LayerResult = {}
     for name in LINEARS:
         w = block.get_submodule(name).weight
+        bits, group = opt.bits_for(name)
         if name not in AWQ_NO_CLIP:
             x, s = inputs[name]
             x = x.reshape(-1, x.shape[-1])
             x = x[:: max(1, x.shape[0] // 512)]  # search_clip's token subsample, taken before dividing
             x = x if s is None else x / s
-            w = apply_clip(
-                w, search_clip(w, x, opt.bits, opt.group_size, sym=opt.sym, scale_dtype=opt.scale_dtype)
-            )
-        out[name] = quantize_awq(w, opt.bits, opt.group_size, not opt.sym, opt.scale_dtype, name), None
+            w = apply_clip(w, search_clip(w, x, bits, group, sym=opt.sym, scale_dtype=opt.scale_dtype))
+        out[name] = quantize_awq(w, bits, group, not opt.sym, opt.scale_dtype, name), None
         _set(block, name, out[name][0])
     return out
+
+
+def quantize_block_awq_gptq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
+    """AWQ's scales, then GPTQ's rounding of the scaled weights against the scaled inputs' Hessians (the two
+    stack: AWQ protects salient input channels, GPTQ compensates each rounding error in the columns after it).
+    AWQ's clipping is left out: GPTQ's error feedback would undo most of it."""
+    awq_scale_block(block, hidden, rope, opt)  # its captured inputs are the unscaled ones: GPTQ recaptures
+    return quantize_block_gptq(block, hidden, rope, opt)
 
 
 # Register, don't elif: a new method is one more entry.
@@ -247,4 +273,5 @@ LAYER_METHODS: dict[str, Callable[..., LayerResult]] = {
     "rtn": quantize_block_rtn,
     "gptq": quantize_block_gptq,
     "awq": quantize_block_awq,
+    "awq-gptq": quantize_block_awq_gptq,
 }

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from quantserve.converters.hf_quant import WriteOptions, write_quantized
+from quantserve.converters.hf_quant import WriteOptions, write_quantized, writers
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
 from quantserve.formats.schemes import QuantScheme, schemes
 
 log = logging.getLogger("quantserve.convert")
 
-METHODS = ("rtn", "gptq", "awq")
-DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq"}
+METHODS = ("rtn", "gptq", "awq", "awq-gptq")
+DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq", "awq-gptq": "gptq"}
 ACT_ORDERS = ("off", "static", "group")
 
 
@@ -34,6 +34,11 @@ class QuantizeReport:
     n_linears: int
     seconds: float
     mean_loss: float | None  # GPTQ: mean ‖(W − Ŵ) X‖² per token over the linears
+    calibration: str | None = None  # where the calibration tokens came from, and how many
+    overrides: dict[str, tuple[int, int]] | None = None  # --bits-budget: linears raised, (bits, group_size)
+    linear_bpw: float | None = (
+        None  # bits per weight of the quantized linears, as the GPTQ format stores them
+    )
 
 
 def quantize_checkpoint(
@@ -46,12 +51,16 @@ def quantize_checkpoint(
     group_size: int = 128,
     sym: bool | None = None,
     act_order: str | None = None,
-    calib_text: str | None = None,
+    calib: str | None = None,
+    calib_dataset: str | None = None,
     n_samples: int | None = None,
     seq_len: int | None = None,
     damp_percent: float = 0.01,
+    bits_budget: float | None = None,
+    seed: int = 0,
     force: bool = False,
     progress: bool = True,
+    calib_tokens: torch.Tensor | None = None,
 ) -> QuantizeReport:
     """Quantize the dense checkpoint `src` with `method` and write it to `dst` in `fmt`.
 
@@ -60,6 +69,12 @@ def quantize_checkpoint(
     energy but keeps groups contiguous (a trivial g_idx, so Marlin's fast path applies), "group" forms groups in
     that order too (a permuted g_idx), "off" is plain GPTQ; None means "static", which measured best on SmolLM2
     (bench/results/quant-quality.md: plain GPTQ overfits a small calibration set and loses to RTN there).
+    "awq-gptq" is AWQ's scales followed by GPTQ's rounding (symmetric unless asked otherwise, like GPTQ).
+
+    calib: "builtin" (default), "self" or a text file; calib_dataset: a Hugging Face dataset instead
+    (sources.calibration_set). calib_tokens: ready-made int64 [n, T] ids, overriding both (benchmarks).
+    bits_budget: raise the linears whose rounding costs the most KL per bit to 8 bits until the quantized
+    linears average this many bits per weight (recipes.py); the format must state per-module bits (gptq).
 
     Raises:
         ConfigError: an unknown method or format, a group size that does not divide a layer's K, options a
@@ -70,9 +85,10 @@ def quantize_checkpoint(
         DEFAULT_SEQ_LEN,
         DenseTensor,
         QuantizedLinear,
-        calibration_tokens,
         quantize_model,
     )
+    from quantserve.converters.calibration.recipes import linear_bpw, linear_shapes, plan_budget, sensitivity
+    from quantserve.converters.calibration.sources import calibration_set
 
     if method not in METHODS:
         raise ConfigError(
@@ -82,28 +98,62 @@ def quantize_checkpoint(
     target = _target(fmt)
     if sym is None:
         sym = method != "awq"
-    act_order = act_order or ("static" if method == "gptq" else "off")
+    act_order = act_order or ("static" if method in ("gptq", "awq-gptq") else "off")
     if act_order not in ACT_ORDERS:
         raise ConfigError(f"--act-order must be one of {', '.join(ACT_ORDERS)}", param="act_order")
-    if act_order != "off" and method != "gptq":
+    if bits_budget is not None and not writers()[fmt].per_module:
+        raise ConfigError(
+            f"--bits-budget needs a format that states bits per module (gptq); {fmt} states them once",
+            param="bits_budget",
+        )
+    if act_order != "off" and method not in ("gptq", "awq-gptq"):
         raise ConfigError(f"--act-order applies to gptq, not {method}", param="act_order")
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
-    t0 = time.perf_counter()
-    calib = None
-    if method != "rtn":
-        calib = calibration_tokens(
-            src, calib_text, n_samples or DEFAULT_N_SAMPLES, seq_len or DEFAULT_SEQ_LEN
+    if bits_budget is not None and spec.config:  # before any calibration work
+        from quantserve.backends.torch.model import ModelArgs
+
+        shapes = linear_shapes(ModelArgs.from_hf_config(spec.config)).values()
+        base = sum(linear_bpw(n, k, bits, group_size) * n * k for n, k in shapes) / sum(
+            n * k for n, k in shapes
         )
-        log.info("calibration: %d samples of %d tokens", calib.shape[0], calib.shape[1])
+        if bits_budget < base:
+            raise ConfigError(
+                f"--bits-budget {bits_budget} is below {base:.3f}, the size of {bits}-bit group {group_size} "
+                "itself; raise it, or take a larger --group-size or fewer --bits",
+                param="bits_budget",
+            )
+    t0 = time.perf_counter()
+    tokens, source = calib_tokens, "given tokens"
+    if tokens is None and (method != "rtn" or bits_budget is not None):
+        c = calibration_set(
+            src, calib, dataset=calib_dataset, n_samples=n_samples or DEFAULT_N_SAMPLES,
+            seq_len=seq_len or DEFAULT_SEQ_LEN, seed=seed, progress=progress,
+        )  # fmt: skip
+        tokens, source = c.tokens, c.source
+    described = None if tokens is None else f"{source}: {tokens.shape[0]} x {tokens.shape[1]} tokens"
+    if described:
+        log.info("calibration: %s", described)
+    overrides = None
+    if bits_budget is not None:
+        assert tokens is not None
+        sens = sensitivity(src, tokens, bits, group_size, sym, progress=progress)
+        plan = plan_budget(sens, bits, group_size, bits_budget)
+        overrides = plan.overrides
+        top = sorted(sens.kl, key=sens.kl.get, reverse=True)[:3]
+        log.info(
+            "sensitivity (%.0f s): most sensitive %s; %d linears at 8 bits, %.3f bits/weight over the linears",
+            sens.seconds, ", ".join(f"{p} (KL {sens.kl[p]:.4f})" for p in top), len(overrides), plan.bpw,
+        )  # fmt: skip
     stream = quantize_model(
-        src, method, bits, group_size, sym, act_order != "off", calib, damp_percent=damp_percent,
-        static_groups=act_order == "static", progress=progress,
+        src, method, bits, group_size, sym, act_order != "off", tokens if method != "rtn" else None,
+        damp_percent=damp_percent, static_groups=act_order == "static", overrides=overrides, progress=progress,
     )  # fmt: skip
     dense: list[tuple[str, torch.Tensor]] = []
     losses: list[float] = []
     count = [0]
+    bits_sum = [0.0, 0]  # Σ bits, Σ weights over the quantized linears
 
     def layers() -> Iterator[tuple[str, object, torch.Tensor | None]]:
         for item in stream:
@@ -111,6 +161,9 @@ def quantize_checkpoint(
                 if item.loss is not None:
                     losses.append(item.loss)
                 count[0] += 1
+                w = item.weight
+                bits_sum[0] += linear_bpw(w.N, w.K, w.bits, w.group_size) * w.N * w.K
+                bits_sum[1] += w.N * w.K
                 yield item.prefix, item.weight, item.bias
             elif isinstance(item, DenseTensor):
                 dense.append((item.name, item.tensor))  # written after the linears; small next to them
@@ -119,7 +172,7 @@ def quantize_checkpoint(
         yield from dense
 
     options = WriteOptions(
-        damp_percent=damp_percent if method == "gptq" else None,
+        damp_percent=damp_percent if "gptq" in method else None,
         quantizer=f"quantserve:{method}",
         force=force,
         act_order=act_order == "group" if fmt == "compressed-tensors" else None,
@@ -129,8 +182,9 @@ def quantize_checkpoint(
         dst, fmt, layers(), dense_tensors(), spec.config or {}, spec.directory, options=options
     )
     return QuantizeReport(
-        out, method, fmt, count[0], time.perf_counter() - t0, sum(losses) / len(losses) if losses else None
-    )
+        out, method, fmt, count[0], time.perf_counter() - t0, sum(losses) / len(losses) if losses else None,
+        described, overrides, bits_sum[0] / bits_sum[1] if bits_sum[1] else None,
+    )  # fmt: skip
 
 
 def _target(fmt: str) -> type[QuantScheme]:

@@ -35,12 +35,23 @@ def dense_rules(left_dense: list[str]) -> dict[str, dict[str, Any]]:
     return {f"-:{re.escape(p)}$": {} for p in left_dense}
 
 
+def module_rules(overrides: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:
+    """GPTQModel `dynamic` rules giving these modules their own bits and group size (a mixed-precision model;
+    "+:" applies the overrides, first match wins; vLLM's GPTQ and GPTQ-Marlin read them)."""
+    return {
+        f"+:^{re.escape(p)}$": {"bits": bits, "group_size": group}
+        for p, (bits, group) in sorted(overrides.items())
+    }
+
+
 @register_writer("gptq")
 class GPTQEncoder(LayerEncoder):
     """v1 for symmetric weights (every consumer reads it), gptq_v2 for asymmetric ones unless v1 is requested:
     v1's zeros-minus-one wraps for a zero of 0 ("GPTQ zero points"). v1 zeros are written with GPTQModel's
     whole-word subtraction, which the reader's whole-word addition undoes exactly; for symmetric zeros it is
-    per slot."""
+    per slot. Modules of other bits or group sizes than the first get `dynamic` rules."""
+
+    per_module = True
 
     def __init__(self, options: WriteOptions):
         super().__init__(options)
@@ -79,7 +90,8 @@ class GPTQEncoder(LayerEncoder):
 
     def quantization_config(self, left_dense: list[str]) -> dict[str, Any]:
         assert self.first is not None
-        _, bits, group, sym = self.first
+        sym = self.first[3]
+        (bits, group), overrides = self.base_and_overrides()
         opts = self.options
         qc: dict[str, Any] = {
             "quant_method": "gptq",
@@ -95,8 +107,8 @@ class GPTQEncoder(LayerEncoder):
             qc["damp_percent"] = opts.damp_percent
         if opts.true_sequential is not None:
             qc["true_sequential"] = opts.true_sequential
-        if left_dense:
-            qc["dynamic"] = dense_rules(left_dense)
+        if left_dense or overrides:
+            qc["dynamic"] = dense_rules(left_dense) | module_rules(overrides)
         if opts.quantizer:
             qc["meta"] = {"quantizer": [opts.quantizer]}
         return qc

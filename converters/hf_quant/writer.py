@@ -82,11 +82,13 @@ class LayerEncoder(ABC):
 
     fmt = ""
     uniform_sym = True  # False where the format can state symmetric weights as zero = 2^(bits-1) (AWQ)
+    per_module = False  # True where the format states other bits/group sizes per module (GPTQ's `dynamic`)
 
     def __init__(self, options: WriteOptions):
         self.options = options
         self.first: tuple[str, int, int, bool] | None = None  # prefix, bits, group_size, symmetric
         self.act_order = False  # any layer with a non-trivial g_idx
+        self.settings: dict[str, tuple[int, int]] = {}  # prefix -> (bits, group_size)
 
     def check_uniform(self, prefix: str, w: QuantizedWeight) -> None:
         w.validate(prefix)
@@ -95,12 +97,22 @@ class LayerEncoder(ABC):
             self.first = (prefix, *key)
         elif key != self.first[1:]:
             p0, b0, g0, s0 = self.first
-            raise ConfigError(
-                f"{self.fmt} states bits/group_size/sym once per model, but '{prefix}' is {w.bits}-bit "
-                f"group {w.group_size} {'sym' if w.symmetric else 'asym'} while '{p0}' is {b0}-bit group {g0} "
-                f"{'sym' if s0 else 'asym'}; quantize all layers alike"
-            )
+            if not (self.per_module and key[2] == s0):
+                raise ConfigError(
+                    f"{self.fmt} states {'symmetry' if self.per_module else 'bits/group_size/sym'} once per "
+                    f"model, but '{prefix}' is {w.bits}-bit group {w.group_size} {'sym' if w.symmetric else 'asym'}"
+                    f" while '{p0}' is {b0}-bit group {g0} {'sym' if s0 else 'asym'}; quantize all layers alike"
+                )
+        self.settings[prefix] = (w.bits, w.group_size)
         self.act_order |= w.with_trivial_g_idx_dropped().g_idx is not None
+
+    def base_and_overrides(self) -> tuple[tuple[int, int], dict[str, tuple[int, int]]]:
+        """The (bits, group_size) most linears have, which the config states, and the modules that differ."""
+        counts: dict[tuple[int, int], int] = {}
+        for setting in self.settings.values():
+            counts[setting] = counts.get(setting, 0) + 1
+        base = max(counts, key=lambda s: (counts[s], s == self.settings[self.first[0]]))  # ties: the first's
+        return base, {p: s for p, s in self.settings.items() if s != base}
 
     def scales(self, prefix: str, s: torch.Tensor, default: torch.dtype) -> torch.Tensor:
         dtype = self.options.scale_dtype or default

@@ -1,0 +1,174 @@
+"""Mixed precision under a size budget: which linears are worth more bits.
+
+`sensitivity` measures, for every decoder linear, the KL divergence of the model's final next-token
+distribution when that one linear alone is rounded to the base setting (RTN) and everything else stays at full
+precision. `plan_budget` then moves the linears with the most KL per extra bit to 8 bits until the average bits
+per weight of the quantized linears (scales, zero points and g_idx counted as the GPTQ format stores them)
+would pass the budget. The plan is a set of per-module overrides, written as GPTQModel's `dynamic` rules.
+
+Memory: the sensitivity pass holds the whole model in float32 (it reruns the tail of the model once per linear,
+which costs about half a forward pass each); the quantizer itself still holds one layer at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from quantserve.backends.torch.model import ModelArgs, RMSNorm, RotaryEmbedding
+from quantserve.converters.calibration.driver import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    SafetensorsReader,
+    _empty_block,
+)
+from quantserve.converters.calibration.layers import LINEARS
+from quantserve.errors import ConfigError
+from quantserve.formats import detect
+from quantserve.quant.rtn import quantize_rtn
+
+log = logging.getLogger(__name__)
+
+HIGH_BITS = 8  # what a sensitive linear is raised to
+
+
+def linear_bpw(n: int, k: int, bits: int, group_size: int) -> float:
+    """Bits per weight of an N x K linear stored as GPTQ: packed weights, fp16 scales and packed zero points per
+    group, and the int32 g_idx per input column."""
+    groups = 1 if group_size == -1 else k // group_size
+    return bits + groups * (16 + bits) / k + 32 / n
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    kl: dict[str, float]  # prefix -> mean KL(full || one linear rounded) over the scored positions, nats
+    shapes: dict[str, tuple[int, int]]  # prefix -> (N, K)
+    n_positions: int
+    seconds: float
+
+
+def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    q = args.num_attention_heads * args.head_dim
+    kv = args.num_key_value_heads * args.head_dim
+    d, f = args.hidden_size, args.intermediate_size
+    kinds = {
+        "self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+        "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f),
+    }  # fmt: skip
+    return {
+        f"model.layers.{i}.{name}": kinds[name] for i in range(args.num_hidden_layers) for name in LINEARS
+    }
+
+
+@torch.no_grad()
+def sensitivity(
+    src: str | Path,
+    tokens: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool = True,
+    *,
+    max_positions: int = 256,
+    progress: bool = True,
+) -> Sensitivity:
+    """KL of the final logits when each decoder linear alone is rounded to `bits`/`group_size` (RTN).
+
+    tokens: int64 [n, T] calibration samples (a few are enough: the pass runs the model once per linear, from
+    that linear's layer on). KL is averaged over up to `max_positions` positions spread over the samples.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    spec = detect(src)
+    if spec.format != "safetensors" or not spec.config:
+        raise ConfigError(f"{src} is not a dense safetensors checkpoint; the sensitivity pass reads those")
+    args = ModelArgs.from_hf_config(spec.config)
+    reader = SafetensorsReader(spec.files)
+    n_layers = args.num_hidden_layers
+    blocks = []
+    for i in range(n_layers):
+        block = _empty_block(args, "cpu")
+        for name, p in block.state_dict().items():
+            p.copy_(reader.get(f"model.layers.{i}.{name}"))
+        blocks.append(block)
+    embed = reader.get(EMBED).float()
+    head = embed if args.tie_word_embeddings or LM_HEAD not in reader else reader.get(LM_HEAD).float()
+    norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+    norm.weight.copy_(reader.get(FINAL_NORM))
+    n = tokens.shape[1]
+    rope = RotaryEmbedding(args)(torch.arange(n), n - 1)
+    step = max(1, tokens.numel() // max_positions)
+    picks = torch.arange(tokens.numel())[::step][:max_positions]  # flat positions scored
+
+    def logp(h: torch.Tensor) -> torch.Tensor:
+        h = norm(h).reshape(-1, h.shape[-1])[picks]
+        return F.log_softmax(h @ head.t(), dim=-1)
+
+    inputs = [F.embedding(tokens, embed)]  # the full-precision input of every layer
+    for block in blocks:
+        inputs.append(block(inputs[-1], rope))
+    ref = logp(inputs[-1])
+    kl: dict[str, float] = {}
+    shapes = linear_shapes(args)
+    bar = tqdm(total=len(shapes), desc="sensitivity", unit="linear", disable=not progress)
+    for i, block in enumerate(blocks):
+        for name in LINEARS:
+            linear = block.get_submodule(name)
+            w = linear.weight.detach().clone()
+            linear.weight.copy_(quantize_rtn(w, bits, group_size, sym, torch.float16, name).dequantize().t())
+            h = block(inputs[i], rope)
+            for later in blocks[i + 1 :]:
+                h = later(h, rope)
+            linear.weight.copy_(w)
+            lq = logp(h)
+            kl[f"model.layers.{i}.{name}"] = float((ref.exp() * (ref - lq)).sum(-1).mean())
+            bar.update(1)
+    bar.close()
+    return Sensitivity(kl, shapes, len(picks), time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    overrides: dict[str, tuple[int, int]]  # prefix -> (bits, group_size), the linears raised
+    bpw: float  # average bits per weight of the quantized linears under this plan
+    base_bpw: float  # ... with none raised
+
+
+def plan_budget(
+    sens: Sensitivity, bits: int, group_size: int, budget: float, high_group: int | None = None
+) -> BudgetPlan:
+    """Raise the linears with the most KL per extra bit to HIGH_BITS while the linears' average stays within
+    `budget` bits per weight.
+
+    Raises:
+        ConfigError: the budget is below the base setting's own size.
+    """
+    high_group = high_group or group_size
+    weights = {p: n * k for p, (n, k) in sens.shapes.items()}
+    total = sum(weights.values())
+    cost = {p: linear_bpw(n, k, bits, group_size) * n * k for p, (n, k) in sens.shapes.items()}
+    base = sum(cost.values()) / total
+    if budget < base:
+        raise ConfigError(
+            f"--bits-budget {budget} is below {base:.3f}, the size of {bits}-bit group {group_size} itself",
+            param="bits_budget",
+        )
+    extra = {
+        p: linear_bpw(n, k, HIGH_BITS, high_group) * n * k - cost[p] for p, (n, k) in sens.shapes.items()
+    }
+    order = sorted(sens.kl, key=lambda p: sens.kl[p] / extra[p], reverse=True)
+    spent = sum(cost.values())
+    overrides: dict[str, tuple[int, int]] = {}
+    for p in order:
+        if (spent + extra[p]) / total > budget:
+            continue  # a smaller linear further down may still fit
+        overrides[p] = (HIGH_BITS, high_group)
+        spent += extra[p]
+    log.info("bits budget %.3f: %d of %d linears at %d bits", budget, len(overrides), len(order), HIGH_BITS)
+    return BudgetPlan(overrides, spent / total, base)
