@@ -1,16 +1,25 @@
-"""Quality metrics on llama.cpp: perplexity (llama-perplexity's convention) and KL divergence between two models."""
+"""Quality metrics: perplexity (llama-perplexity's convention) and KL divergence between two models, scored by
+llama.cpp or by quantserve's own torch model on the same chunks of the same tokens; and a conversion's one-line
+quality summary (size, bits per weight, PPL, KL against its source)."""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import llama_cpp as lc
 import numpy as np
 
-from quantserve.errors import ConfigError, InvalidRequestError
+from quantserve.errors import ConfigError, InvalidRequestError, UnsupportedFormatError
+
+BACKENDS = ("llamacpp", "torch")
+
+log = logging.getLogger("quantserve.evaluate")
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,7 @@ class PerplexityResult:
     n_chunks: int
     n_scored: int
     n_ctx: int
+    scored_by: str = "llama.cpp"  # the scorer: "llama.cpp", or "torch (DEVICE, DTYPE)"
 
 
 @dataclass(frozen=True)
@@ -29,11 +39,35 @@ class KLResult:
     ppl_base: float
     ppl_model: float
     n_scored: int
+    scored_by: str = "llama.cpp"
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     y = x - x.max(axis=-1, keepdims=True)
     return y - np.log(np.exp(y).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+
+
+class Scorer(Protocol):
+    """One model that scores chunks: llama.cpp's (ChunkScorer) or the torch backend's (TorchChunkScorer)."""
+
+    n_ctx: int
+    n_vocab: int
+    scored_by: str  # what the CLI prints
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
+
+    def close(self) -> None: ...
+
+
+def _chunks(tokens: list[int], n_ctx: int, bos: int | None) -> Iterator[list[int]]:
+    """llama-perplexity's chunks: n_ctx tokens each, the first replaced by BOS when the vocabulary adds one."""
+    for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
+        chunk = list(tokens[start : start + n_ctx])
+        if bos is not None:
+            chunk[0] = bos
+        yield chunk
 
 
 class ChunkScorer:
@@ -62,6 +96,7 @@ class ChunkScorer:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx = n_ctx
         self.batch = lc.llama_batch_init(n_ctx, 0, 1)
+        self.scored_by = "llama.cpp"
 
     def tokenize(self, text: str) -> list[int]:
         data = text.encode()
@@ -72,12 +107,8 @@ class ChunkScorer:
     def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield (log-probs [n_ctx/2 - 1, vocab] of the scored positions, their target tokens) per chunk."""
         n, first = self.n_ctx, self.n_ctx // 2
-        add_bos = lc.llama_vocab_get_add_bos(self.vocab)
-        bos = lc.llama_vocab_bos(self.vocab)
-        for start in range(0, len(tokens) - n + 1, n):
-            chunk = list(tokens[start : start + n])
-            if add_bos:
-                chunk[0] = bos
+        bos = lc.llama_vocab_bos(self.vocab) if lc.llama_vocab_get_add_bos(self.vocab) else None
+        for chunk in _chunks(tokens, n, bos):
             lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
             b = self.batch
             for j, t in enumerate(chunk):
@@ -97,7 +128,71 @@ class ChunkScorer:
         lc.llama_model_free(self.model)
 
 
-def _tokens(scorer: ChunkScorer, text: str) -> list[int]:
+class TorchChunkScorer:
+    """The torch backend's model (loaded as `quantserve serve --backend torch` loads it: dense or GPTQ/AWQ/
+    compressed-tensors/Marlin HF checkpoints, on CUDA in bf16/fp16, else on CPU in fp32) scoring the same chunks
+    as ChunkScorer: the HF tokenizer reproduces llama.cpp's tokens, and one causal forward per chunk computes the
+    output layer for the scored half only."""
+
+    def __init__(self, path: Path, *, n_ctx: int = 512, threads: int = 0):
+        import torch
+
+        from quantserve.backends.torch.loader import pick_device_dtype
+        from quantserve.backends.torch.tokenizer import HFTokenizer
+        from quantserve.backends.torch.weights import load_model
+        from quantserve.formats import detect
+
+        spec = detect(path)
+        if spec.format == "gguf":
+            raise ConfigError(
+                f"{path} is GGUF; the torch backend reads HF checkpoints: convert it first (quantserve convert "
+                f"--src {path} --dst DIR --dtype fp32), let `quantserve eval` do it, or score with llamacpp"
+            )
+        if threads:
+            torch.set_num_threads(threads)
+        self.device, dtype = pick_device_dtype(spec.config or {})
+        self.tokenizer = HFTokenizer.from_dir(spec.directory)
+        self.model = load_model(spec, dtype=dtype, device=self.device)
+        self.n_vocab = self.model.args.vocab_size
+        self.n_ctx = n_ctx
+        self.scored_by = f"torch ({self.device.type}, {str(dtype).removeprefix('torch.')})"
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special=True, parse_special=False)
+
+    def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield (log-probs [n_ctx/2 - 1, vocab] of the scored positions, their target tokens) per chunk."""
+        import torch
+
+        n, first = self.n_ctx, self.n_ctx // 2
+        tok = self.tokenizer
+        bos = tok.bos_token_id if tok.add_bos and tok.bos_token_id >= 0 else None
+        for chunk in _chunks(tokens, n, bos):
+            with torch.inference_mode():
+                ids = torch.tensor([chunk], device=self.device)  # [1, n]
+                # [n/2 - 1, D]: the positions whose next token is scored
+                hidden = self.model(ids)[0, first : n - 1]
+                logp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # [n/2 - 1, V] fp32
+            yield logp.cpu().numpy(), np.asarray(chunk[first + 1 : n])
+
+    def close(self) -> None:
+        self.model = None
+
+
+def open_scorer(path: Path, backend: str = "llamacpp", *, n_ctx: int = 512, threads: int = 0) -> Scorer:
+    """A scorer for `path` on `backend`: llamacpp takes a GGUF file, torch an HF checkpoint directory.
+
+    Raises:
+        ConfigError: an unknown backend, or a file the backend cannot read.
+    """
+    if backend == "llamacpp":
+        return ChunkScorer(path, n_ctx=n_ctx, threads=threads)
+    if backend == "torch":
+        return TorchChunkScorer(path, n_ctx=n_ctx, threads=threads)
+    raise ConfigError(f"unknown scoring backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _tokens(scorer: Scorer, text: str) -> list[int]:
     tokens = scorer.tokenize(text)
     if len(tokens) < 2 * scorer.n_ctx:
         raise InvalidRequestError(
@@ -108,9 +203,9 @@ def _tokens(scorer: ChunkScorer, text: str) -> list[int]:
 
 
 def perplexity(
-    path: Path, text: str, *, n_ctx: int = 512, threads: int = 0, progress=None
+    path: Path, text: str, *, n_ctx: int = 512, threads: int = 0, progress=None, backend: str = "llamacpp"
 ) -> PerplexityResult:
-    scorer = ChunkScorer(path, n_ctx=n_ctx, threads=threads)
+    scorer = open_scorer(path, backend, n_ctx=n_ctx, threads=threads)
     try:
         tokens = _tokens(scorer, text)
         nll, count, chunks = 0.0, 0, 0
@@ -122,15 +217,27 @@ def perplexity(
                 progress(chunks, len(tokens) // n_ctx)
     finally:
         scorer.close()
-    return PerplexityResult(math.exp(nll / count), nll / count, chunks, count, n_ctx)
+    return PerplexityResult(math.exp(nll / count), nll / count, chunks, count, n_ctx, scorer.scored_by)
 
 
 def kl_divergence(
-    base: Path, model: Path, text: str, *, n_ctx: int = 512, threads: int = 0, progress=None
+    base: Path,
+    model: Path,
+    text: str,
+    *,
+    n_ctx: int = 512,
+    threads: int = 0,
+    progress=None,
+    backend: str = "llamacpp",
 ) -> KLResult:
-    """KL(base || model) per scored token, over the same chunks, plus both perplexities and top-1 agreement."""
-    a = ChunkScorer(base, n_ctx=n_ctx, threads=threads)
-    b = ChunkScorer(model, n_ctx=n_ctx, threads=threads)
+    """KL(base || model) per scored token, over the same chunks, plus both perplexities and top-1 agreement.
+    Both models are scored by `backend`."""
+    a = open_scorer(base, backend, n_ctx=n_ctx, threads=threads)
+    try:
+        b = open_scorer(model, backend, n_ctx=n_ctx, threads=threads)
+    except BaseException:
+        a.close()
+        raise
     try:
         if a.n_vocab != b.n_vocab:
             raise ConfigError(
@@ -154,4 +261,141 @@ def kl_divergence(
     finally:
         a.close()
         b.close()
-    return KLResult(kl / count, agree / count, math.exp(nll_a / count), math.exp(nll_b / count), count)
+    return KLResult(
+        kl / count, agree / count, math.exp(nll_a / count), math.exp(nll_b / count), count, a.scored_by
+    )
+
+
+def gguf_of(path: Path, *, use_cache: bool) -> tuple[Path, object | None]:
+    """A GGUF that llama.cpp scores for the checkpoint at `path`, and a handle keeping a temporary one alive: a GGUF
+    as is, a dense HF checkpoint converted losslessly (at its own dtype; kept in the in-situ cache with
+    `use_cache`), a quantized one (GPTQ, AWQ, …) through its exact dequantized weights as an f32 GGUF.
+
+    Raises:
+        UnsupportedFormatError: a format llama.cpp cannot score even after conversion.
+    """
+    import tempfile
+
+    from quantserve.formats import detect
+    from quantserve.insitu import ensure_gguf
+
+    spec = detect(path)
+    if spec.format == "gguf":
+        return spec.files[0], None
+    if spec.format == "safetensors":
+        return ensure_gguf(spec, None, cache_dir=None, use_cache=use_cache)
+    if spec.scheme is not None:
+        from quantserve.quant.dequantize import dequantize_checkpoint
+
+        # the dense copy goes once converted
+        with tempfile.TemporaryDirectory(prefix="quantserve-eval-") as tmp:
+            dense = dequantize_checkpoint(path, Path(tmp) / "dense", dtype="float32")
+            return ensure_gguf(detect(dense), "f32", cache_dir=None, use_cache=False)
+    raise UnsupportedFormatError(
+        f"{path} is {spec.format}; scoring reads GGUF, dense and quantized HF checkpoints"
+    )
+
+
+def weight_footprint(path: Path) -> tuple[int, int]:
+    """(bytes of the weight files, parameters): a GGUF's whole file (its tokenizer metadata included), an HF
+    checkpoint's safetensors files; parameters are logical weights, embeddings and output layer included (a
+    packed 4-bit word counts as 8, scales and zero points as none; tied embeddings once)."""
+    from quantserve.formats import detect, summarize
+
+    spec = detect(path)
+    return sum(f.stat().st_size for f in spec.files), summarize(spec).n_params
+
+
+@dataclass(frozen=True)
+class ConversionQuality:
+    """What a conversion cost, measured on a short text: `quantserve convert`'s one-line summary."""
+
+    size_bytes: int  # the output's weight files (weight_footprint)
+    bits_per_weight: float  # size_bytes * 8 / the output's parameters
+    ppl_source: float
+    ppl_output: float
+    mean_kl: float  # KL(source || output), nats per scored token
+    seconds: float  # all of it: conversions for the scorer, loading, scoring
+    top1_agreement: float
+    n_scored: int
+    scored_by: str  # what scored both models (KLResult.scored_by)
+
+
+def builtin_text() -> str:
+    """quantserve/data/eval.txt: about 1,500 tokens of plain English, two 512-token chunks."""
+    from importlib.resources import files
+
+    return (files("quantserve") / "data/eval.txt").read_text(encoding="utf-8")
+
+
+def conversion_quality(
+    src: Path,
+    out: Path,
+    text: str | None = None,
+    *,
+    n_ctx: int = 512,
+    threads: int = 0,
+    backend: str | None = None,
+    use_cache: bool = False,
+) -> ConversionQuality:
+    """Score a conversion's output against its source on `text` (default: the built-in text).
+
+    Args:
+        src, out: any two checkpoints of one model with the same tokenizer (GGUF, dense or quantized HF).
+        backend: llamacpp scores both as GGUF (HF sides converted by gguf_of: losslessly, or through the exact
+            dequantized weights); torch loads both HF checkpoints as the torch backend does. None: torch for a
+            dense HF source and a 4/8-bit quantized HF output it runs (no GGUF or dequantized copies written:
+            faster, and far less disk for a large model), llama.cpp otherwise or when torch refuses a layout.
+        use_cache: keep a dense source's GGUF in the in-situ cache (llamacpp), for the next conversion of it.
+    Raises:
+        ConfigError: the two tokenize differently, or a side the backend cannot read.
+    """
+    t0 = time.perf_counter()
+    size, n_params = weight_footprint(out)
+    text = text or builtin_text()
+    r = None
+    if backend is None and _torch_runs(src, out):
+        try:
+            r = kl_divergence(src, out, text, n_ctx=n_ctx, threads=threads, backend="torch")
+        except (ConfigError, UnsupportedFormatError) as exc:  # e.g. a layer shape no Marlin layout fits
+            log.info("the torch backend cannot score %s (%s); llama.cpp scores it", out, exc.message)
+    elif backend == "torch":
+        r = kl_divergence(src, out, text, n_ctx=n_ctx, threads=threads, backend="torch")
+    if r is None:
+        keep = []
+        try:
+            a, handle = gguf_of(src, use_cache=use_cache)
+            keep.append(handle)
+            b, handle = gguf_of(out, use_cache=use_cache)
+            keep.append(handle)
+            r = kl_divergence(a, b, text, n_ctx=n_ctx, threads=threads)
+        finally:
+            for handle in keep:
+                if handle is not None:
+                    handle.cleanup()
+    return ConversionQuality(
+        size_bytes=size,
+        bits_per_weight=size * 8 / n_params if n_params else 0.0,
+        ppl_source=r.ppl_base,
+        ppl_output=r.ppl_model,
+        mean_kl=r.mean_kl,
+        seconds=time.perf_counter() - t0,
+        top1_agreement=r.top1_agreement,
+        n_scored=r.n_scored,
+        scored_by=r.scored_by,
+    )
+
+
+def _torch_runs(src: Path, out: Path) -> bool:
+    """A dense HF source and a quantized HF output whose architecture and bits the torch backend runs."""
+    from quantserve.backends.select import TORCH_ARCHITECTURES
+    from quantserve.formats import detect
+
+    s, o = detect(src), detect(out)
+    arch = next(iter((o.config or {}).get("architectures") or []), None)
+    return (
+        s.format == "safetensors"
+        and o.scheme is not None
+        and arch in TORCH_ARCHITECTURES
+        and o.scheme.weights()[0] in (4, 8)  # Marlin's
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -9,6 +10,8 @@ import click
 from quantserve.cli.common import fail
 from quantserve.errors import ConfigError, QuantserveError, UnsupportedFormatError
 from quantserve.formats.schemes import schemes
+
+QUANT_METHODS = ("gptq", "awq", "awq-gptq", "rtn")  # -> a quantized HF directory (converters/calibration)
 
 
 def _size(path: Path) -> str:
@@ -28,7 +31,7 @@ def _size(path: Path) -> str:
 )
 @click.option("--quant", default=None, help="-> GGUF file type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k "
               "q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m); or -> a quantized HF "
-              "directory: gptq, awq or rtn.")  # fmt: skip
+              "directory: gptq, awq, awq-gptq (AWQ's scales, then GPTQ's rounding) or rtn.")  # fmt: skip
 @click.option("--format", "fmt", type=click.Choice(sorted(schemes())), default=None,
               help="Quantized HF output format [default: gptq for --quant gptq/rtn, awq for awq]. With a "
               "GPTQ/AWQ/compressed-tensors/Marlin --src and no --quant: repack losslessly.")  # fmt: skip
@@ -46,8 +49,16 @@ def _size(path: Path) -> str:
 )
 @click.option("--sym/--asym", default=None,
               help="Symmetric weights, or zero points [default: --sym for gptq/rtn, --asym for awq].")  # fmt: skip
-@click.option("--calib", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="gptq/awq: UTF-8 calibration text [default: a small built-in text].")  # fmt: skip
+@click.option("--calib", default=None, metavar="builtin|self|FILE",
+              help="gptq/awq calibration: 'builtin' (a small built-in English text, the default), 'self' (text the "
+              "model samples itself, data-free: works offline for any model) or a UTF-8 text file.")  # fmt: skip
+@click.option("--calib-dataset", default=None, metavar="ORG/NAME[:CONFIG]",
+              help="Calibrate on a Hugging Face dataset's train split instead (needs `datasets` and network).")  # fmt: skip
+@click.option("--bits-budget", type=click.FloatRange(min=1.0), default=None, metavar="B",
+              help="Mixed precision: measure each linear's sensitivity (KL of the final logits when it alone is "
+              "rounded), then raise the most sensitive to 8 bits until the linears average B bits per weight "
+              "(scales and zeros counted). Written as GPTQModel `dynamic` overrides (--format gptq).")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --calib self.")
 @click.option("--calib-samples", type=click.IntRange(min=1), default=None, help="gptq/awq: calibration sequences [default: 128, "
               "or as many as the text gives].")  # fmt: skip
 @click.option(
@@ -80,19 +91,27 @@ def _size(path: Path) -> str:
     "--threads", type=int, default=None, help="Threads for llama.cpp's quantizer [default: all cores]."
 )
 @click.option("--force", is_flag=True, help="Overwrite --dst if it exists.")
-@click.option(
-    "--check", is_flag=True, help="Then compare output and source: size, bits/weight, PPL, KL, top-1."
-)
+@click.option("--check", is_flag=True, help="Then compare output and source in a table: size, bits/weight, PPL, KL, "
+              "top-1, scored by llama.cpp (HF sides as GGUF: dense ones converted losslessly and cached, quantized "
+              "ones through their exact dequantized weights).")  # fmt: skip
 @click.option(
     "--check-text",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=None,
     help="Text for --check [default: a built-in English text of about 1,500 tokens].",
 )
+@click.option("--summary/--no-summary", default=True, show_default=True,
+              help="After --quant, one line: the output's size, bits/weight (weight-file bytes x 8 / all parameters, "
+              "embeddings and output layer included) and, on the built-in text, PPL of source and output and mean "
+              "KL(source || output); seconds for a small model. A 4/8-bit quantized HF output is scored by the "
+              "torch backend, a GGUF by llama.cpp (the source converted to a temporary GGUF; --threads applies). "
+              "Conversions without --quant (GGUF -> HF, repacking) lose nothing and print none; --check prints the "
+              "table instead.")  # fmt: skip
 def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str, group_size: int, act_order: str | None,
-            sym: bool | None, calib: Path | None, calib_samples: int | None, calib_seq_len: int | None,
-            damp_percent: float, dtype: str | None, imatrix: Path | None, mmproj_type: str | None,
-            threads: int | None, force: bool, check: bool, check_text: Path | None) -> None:  # fmt: skip
+            sym: bool | None, calib: str | None, calib_dataset: str | None, bits_budget: float | None, seed: int,
+            calib_samples: int | None, calib_seq_len: int | None, damp_percent: float, dtype: str | None, imatrix: Path | None, mmproj_type: str | None,
+            threads: int | None, force: bool, check: bool, check_text: Path | None,
+            summary: bool) -> None:  # fmt: skip
     """Convert between GGUF, dense HF and quantized HF (GPTQ, AWQ, compressed-tensors, Marlin) checkpoints.
 
     \b
@@ -116,13 +135,15 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
         src_fmt = spec.format
         llava = src_fmt == "safetensors" and is_llava(spec.config)
         _fail_if(mmproj_type and not llava, "--mmproj-type applies to LLaVA checkpoints (HF -> GGUF) only")
-        if quant in ("gptq", "awq", "rtn") or (fmt and not quant):
+        if quant in QUANT_METHODS or (fmt and not quant):
             _fail_if(dtype or imatrix, "--dtype and --imatrix do not apply to GPTQ/AWQ/RTN output")
-            _fail_if(
-                check, "--check compares GGUF files; score a quantized directory with `quantserve eval ppl`"
-            )
+            calibration = _Calibration(calib, calib_dataset, calib_samples, calib_seq_len, seed, bits_budget)
             click.echo(_to_quantized_hf(src, dst, src_fmt, quant, fmt, int(bits), group_size, act_order, sym,
-                                        calib, calib_samples, calib_seq_len, damp_percent, force))  # fmt: skip
+                                        calibration, damp_percent, force))  # fmt: skip
+            if check:
+                click.echo(_check(src, dst, check_text, threads))
+            elif summary and quant:
+                click.echo(_summary(src, dst, threads))
             return
         if fmt:
             raise ConfigError("--format writes quantized HF directories; use it with --quant gptq|awq|rtn")
@@ -161,9 +182,11 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
         click.echo(line)
     if check:
         try:
-            click.echo(_check(src, out, fmt, check_text))
+            click.echo(_check(src, out, check_text, threads))
         except QuantserveError as exc:
             fail(exc)
+    elif summary and quant:
+        click.echo(_summary(src, out, threads))
 
 
 def _fail_if(cond: object, message: str) -> None:
@@ -171,16 +194,25 @@ def _fail_if(cond: object, message: str) -> None:
         raise ConfigError(message)
 
 
+@dataclass(frozen=True)
+class _Calibration:
+    calib: str | None
+    dataset: str | None
+    samples: int | None
+    seq_len: int | None
+    seed: int
+    bits_budget: float | None
+
+
 def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt: str | None, bits: int,
-                     group_size: int, act_order: str | None, sym: bool | None, calib: Path | None,
-                     calib_samples: int | None, calib_seq_len: int | None, damp_percent: float,
-                     force: bool) -> str:  # fmt: skip
+                     group_size: int, act_order: str | None, sym: bool | None, c: _Calibration,
+                     damp_percent: float, force: bool) -> str:  # fmt: skip
     from quantserve.converters.calibration.quantize import quantize_checkpoint, repack_checkpoint
 
     if quant is None:  # --format alone: repack an already-quantized checkpoint
-        if calib or act_order or sym is not None:
+        if c.calib or c.dataset or c.bits_budget or act_order or sym is not None:
             raise ConfigError("repacking (--format without --quant) keeps the weights as they are; drop the "
-                              "quantization options (--act-order, --sym/--asym, --calib)")  # fmt: skip
+                              "quantization options (--act-order, --sym/--asym, --calib, --bits-budget)")  # fmt: skip
         out = repack_checkpoint(src, dst, fmt, force=force)
         return f"repacked {src} ({src_fmt}) as {fmt}: {out} ({_size(out)})"
     if src_fmt != "safetensors":
@@ -193,60 +225,62 @@ def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt:
             )
         )
     r = quantize_checkpoint(
-        src, dst, quant, fmt=fmt, bits=bits, group_size=group_size, sym=sym, act_order=act_order,
-        calib_text=calib.read_text(encoding="utf-8") if calib else None, n_samples=calib_samples,
-        seq_len=calib_seq_len, damp_percent=damp_percent, force=force,
+        src, dst, quant, fmt=fmt, bits=bits, group_size=group_size, sym=sym, act_order=act_order, calib=c.calib,
+        calib_dataset=c.dataset, n_samples=c.samples, seq_len=c.seq_len, damp_percent=damp_percent,
+        bits_budget=c.bits_budget, seed=c.seed, force=force,
     )  # fmt: skip
     loss = f", mean GPTQ loss {r.mean_loss:.4g}" if r.mean_loss is not None else ""
+    mixed = f", {len(r.overrides)} linears at 8 bits" if r.overrides else ""
+    calibrated = f"; calibrated on {r.calibration}" if r.calibration else ""
     return (
-        f"wrote {r.path} ({_size(r.path)}): {r.n_linears} linears, {quant} {bits}-bit group {group_size} as "
-        f"{r.format} in {r.seconds:.1f}s{loss}"
+        f"wrote {r.path} ({_size(r.path)}): {r.n_linears} linears, {quant} {bits}-bit group {group_size}{mixed} "
+        f"({r.linear_bpw:.3f} bits/weight over the linears) as {r.format} in {r.seconds:.1f}s{loss}{calibrated}"
     )
 
 
-def _check(src: Path, out: Path, src_format: str, text_file: Path | None) -> str:
-    """Score the source and the output on the same text with llama.cpp: both as GGUF, the HF side converted
-    losslessly (at its own dtype) for the purpose."""
-    from importlib.resources import files
+def _check(src: Path, out: Path, text_file: Path | None, threads: int | None) -> str:
+    """The --check table: source and output scored on the same text by llama.cpp, the HF sides as GGUF (dense ones
+    converted losslessly, at their own dtype, and kept in the in-situ cache; quantized ones through their exact
+    dequantized weights)."""
+    from quantserve.evaluate import conversion_quality, weight_footprint
 
-    from quantserve.evaluate import kl_divergence
-    from quantserve.formats import detect, summarize
-    from quantserve.insitu import ensure_gguf
-
-    text = (
-        text_file.read_text(encoding="utf-8")
-        if text_file
-        else (files("quantserve") / "data/eval.txt").read_text()
-    )
-    keep = []
-    if src_format == "gguf":  # GGUF -> HF: does the HF output still behave like the GGUF it came from?
-        base = src
-        model, handle = ensure_gguf(detect(out), None, cache_dir=None, use_cache=False)
-        keep.append(handle)
-    else:  # HF -> GGUF: what did quantization cost against the full-precision source?
-        base, _ = ensure_gguf(detect(src), None, cache_dir=None, use_cache=True)
-        model = out
-    r = kl_divergence(base, model, text)
-    rows = [("source", src, base, r.ppl_base), ("output", out, model, r.ppl_model)]
+    text = text_file.read_text(encoding="utf-8") if text_file else None
+    q = conversion_quality(src, out, text, threads=threads or 0, backend="llamacpp", use_cache=True)
+    src_bytes, src_params = weight_footprint(src)
+    rows = [
+        ("source", src, src_bytes, src_bytes * 8 / src_params, q.ppl_source, "0", "100 %"),
+        ("output", out, q.size_bytes, q.bits_per_weight, q.ppl_output, f"{q.mean_kl:.5f}",
+         f"{100 * q.top1_agreement:.2f} %"),
+    ]  # fmt: skip
     lines = [
         "",
         "| | path | size | bits/weight | PPL | ΔPPL | mean KL | top-1 |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, shown, gguf, ppl in rows:
-        s = summarize(gguf)
-        delta = 100 * (ppl / r.ppl_base - 1)
-        kl, top1 = (
-            ("0", "100 %") if name == "source" else (f"{r.mean_kl:.5f}", f"{100 * r.top1_agreement:.2f} %")
-        )
+    for name, path, size, bpw, ppl, kl, top1 in rows:
         lines.append(
-            f"| {name} | {shown} | {_size(shown)} | {s.bits_per_weight:.2f} | {ppl:.3f} | {delta:+.2f} % "
+            f"| {name} | {path} | {size / 2**20:.1f} MiB | {bpw:.2f} | {ppl:.3f} | {100 * (ppl / q.ppl_source - 1):+.2f} % "
             f"| {kl} | {top1} |"
         )
     lines.append(
-        f"\n{r.n_scored} tokens scored ({'built-in text' if text_file is None else text_file}); "
-        "KL is KL(source || output) in nats per token."
+        f"\n{q.n_scored} tokens scored ({'built-in text' if text_file is None else text_file}) by {q.scored_by} in "
+        f"{q.seconds:.1f} s. KL is KL(source || output) in nats per token; size is the weight files, bits/weight "
+        "their bytes x 8 / all parameters (embeddings included)."
     )
-    for handle in keep:
-        handle.cleanup()
     return "\n".join(lines)
+
+
+def _summary(src: Path, out: Path, threads: int | None) -> str:
+    """The one line after a quantizing conversion (evaluate.conversion_quality on the built-in text, its scorer
+    chosen there). The output is written by then: a failure to score it is reported on the line, not as an error."""
+    from quantserve.evaluate import conversion_quality
+
+    try:
+        q = conversion_quality(src, out, threads=threads or 0)
+    except QuantserveError as exc:
+        return f"quality: not measured ({exc.message}); --no-summary skips it"
+    return (
+        f"quality: {q.size_bytes / 2**20:.1f} MiB, {q.bits_per_weight:.2f} bits/weight, PPL {q.ppl_source:.3f} -> "
+        f"{q.ppl_output:.3f} ({100 * (q.ppl_output / q.ppl_source - 1):+.2f} %), mean KL {q.mean_kl:.4g} against "
+        f"the source ({q.n_scored} tokens of the built-in text, {q.scored_by}, {q.seconds:.1f} s)"
+    )

@@ -1,7 +1,8 @@
-"""`quantserve eval ppl|kl`: perplexity and KL divergence of GGUF (or in-situ converted) models on a text."""
+"""`quantserve eval ppl|kl`: perplexity and KL divergence of a model on a text, scored by llama.cpp or torch."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -11,39 +12,46 @@ from quantserve.cli.common import fail
 from quantserve.errors import QuantserveError
 
 
-def gguf_for(model: str, models_file: str | None) -> Path:
-    """A GGUF for MODEL: a path or models.toml name; dense checkpoints are converted (and cached) as by `run`."""
-    from quantserve.formats import detect
+def _path(model: str, models_file: str | None) -> Path:
+    """MODEL as a path, or the models.toml entry of that name."""
     from quantserve.registry import find_models_toml, load_registry, resolve
 
     path = Path(model)
-    if not path.exists():
-        path = resolve(model, load_registry(find_models_toml(models_file))).path
+    return path if path.exists() else resolve(model, load_registry(find_models_toml(models_file))).path
+
+
+def gguf_for(model: str, models_file: str | None) -> Path:
+    """A GGUF for MODEL: a path or models.toml name; dense checkpoints are converted (and cached) as by `run`,
+    quantized ones through their exact dequantized weights (evaluate.gguf_of)."""
+    from quantserve.evaluate import gguf_of
+
+    gguf, handle = gguf_of(_path(model, models_file), use_cache=True)
+    _KEEP.append(handle)
+    return gguf
+
+
+def hf_for(model: str, models_file: str | None) -> Path:
+    """An HF checkpoint directory the torch backend loads for MODEL: a GGUF is converted to fp32 safetensors (its
+    dequantized weights: the same numbers llama.cpp computes with) in a temporary directory."""
+    from quantserve.formats import detect
+
+    path = _path(model, models_file)
     spec = detect(path)
-    if spec.format == "gguf":
-        return spec.files[0]
-    if spec.format == "safetensors":
-        from quantserve.insitu import ensure_gguf
+    if spec.format != "gguf":
+        return spec.directory
+    from quantserve.converters import gguf_to_hf
 
-        return ensure_gguf(spec, None, cache_dir=None, use_cache=True)[0]
-    if spec.scheme is not None:
-        # Scored by the same llama.cpp code as every GGUF: the exact dequantized weights, as an f32 GGUF.
-        import tempfile
-
-        from quantserve.insitu import ensure_gguf
-        from quantserve.quant.dequantize import dequantize_checkpoint
-
-        with tempfile.TemporaryDirectory(
-            prefix="quantserve-eval-"
-        ) as tmp:  # the dense copy goes once converted
-            dense = dequantize_checkpoint(path, Path(tmp) / "dense", dtype="float32")
-            gguf, handle = ensure_gguf(detect(dense), "f32", cache_dir=None, use_cache=False)
-        _KEEP.append(handle)
-        return gguf
-    raise QuantserveError(f"{path} is {spec.format}; eval reads GGUF, dense and quantized HF checkpoints")
+    tmp = tempfile.TemporaryDirectory(prefix="quantserve-eval-")
+    _KEEP.append(tmp)
+    return gguf_to_hf(spec.files[0], Path(tmp.name) / "hf", dtype="fp32", progress=False)
 
 
-_KEEP: list = []  # temporary GGUF conversions, alive until the process ends
+_KEEP: list = []  # temporary conversions, alive until the process ends
+_FOR_BACKEND = {"llamacpp": gguf_for, "torch": hf_for}
+
+
+def _shown(model: str, path: Path) -> str:
+    return model if Path(model) == path else f"{model} (scored as {path})"
 
 
 def _measure(desc: str, score):
@@ -77,8 +85,17 @@ _text = click.option(
 _ctx = click.option(
     "--ctx", "n_ctx", default=512, show_default=True, help="chunk length; half of each is scored"
 )
-_threads = click.option("--threads", default=0, help="CPU threads (0: 2)")
+_threads = click.option("--threads", default=0, help="CPU threads (0: 2 for llama.cpp, torch's default)")
 _models = click.option("--models-file", default=None, help="models.toml for model names")
+_backend = click.option(
+    "--backend",
+    type=click.Choice(list(_FOR_BACKEND)),
+    default="llamacpp",
+    show_default=True,
+    help="what scores: llama.cpp (HF checkpoints converted to GGUF first, quantized ones through their exact "
+    "dequantized weights) or quantserve's torch model (GGUF converted to an fp32 HF checkpoint first); the same "
+    "chunks of the same tokens either way",
+)
 
 
 @eval_group.command("ppl")
@@ -87,16 +104,20 @@ _models = click.option("--models-file", default=None, help="models.toml for mode
 @_ctx
 @_threads
 @_models
-def ppl(model: str, text_file: str, n_ctx: int, threads: int, models_file: str | None) -> None:
+@_backend
+def ppl(model: str, text_file: str, n_ctx: int, threads: int, models_file: str | None, backend: str) -> None:
     """Perplexity of MODEL on --text, comparable with llama.cpp's llama-perplexity."""
     from quantserve.evaluate import perplexity
 
     text = Path(text_file).read_text(encoding="utf-8")
-    gguf = _measure("converting", lambda _: gguf_for(model, models_file))
-    r = _measure("perplexity", lambda p: perplexity(gguf, text, n_ctx=n_ctx, threads=threads, progress=p))
+    path = _measure("converting", lambda _: _FOR_BACKEND[backend](model, models_file))
+    r = _measure(
+        "perplexity",
+        lambda p: perplexity(path, text, n_ctx=n_ctx, threads=threads, progress=p, backend=backend),
+    )
     click.echo(
-        f"model: {gguf}\nPPL = {r.ppl:.4f}  (mean NLL {r.nll:.5f}; {r.n_chunks} chunks of {r.n_ctx}, "
-        f"{r.n_scored} tokens scored)"
+        f"model: {_shown(model, path)}\nscored by: {r.scored_by}\nPPL = {r.ppl:.4f}  (mean NLL {r.nll:.5f}; {r.n_chunks} chunks "
+        f"of {r.n_ctx}, {r.n_scored} tokens scored)"
     )
 
 
@@ -107,18 +128,23 @@ def ppl(model: str, text_file: str, n_ctx: int, threads: int, models_file: str |
 @_ctx
 @_threads
 @_models
-def kl(base: str, model: str, text_file: str, n_ctx: int, threads: int, models_file: str | None) -> None:
-    """Mean KL(base || model) and top-1 token agreement over the scored tokens of --text."""
+@_backend
+def kl(
+    base: str, model: str, text_file: str, n_ctx: int, threads: int, models_file: str | None, backend: str
+) -> None:
+    """Mean KL(base || model) and top-1 token agreement over the scored tokens of --text (both models on
+    --backend)."""
     from quantserve.evaluate import kl_divergence
 
     text = Path(text_file).read_text(encoding="utf-8")
-    a = _measure("converting", lambda _: gguf_for(base, models_file))
-    b = _measure("converting", lambda _: gguf_for(model, models_file))
+    a = _measure("converting", lambda _: _FOR_BACKEND[backend](base, models_file))
+    b = _measure("converting", lambda _: _FOR_BACKEND[backend](model, models_file))
     r = _measure(
-        "KL divergence", lambda p: kl_divergence(a, b, text, n_ctx=n_ctx, threads=threads, progress=p)
+        "KL divergence",
+        lambda p: kl_divergence(a, b, text, n_ctx=n_ctx, threads=threads, progress=p, backend=backend),
     )
     click.echo(
-        f"base:  {a}\nmodel: {b}\nmean KL = {r.mean_kl:.6f} nats, top-1 agreement = "
+        f"base:  {_shown(base, a)}\nmodel: {_shown(model, b)}\nscored by: {r.scored_by}\nmean KL = {r.mean_kl:.6f} nats, top-1 agreement = "
         f"{100 * r.top1_agreement:.2f}%, PPL base {r.ppl_base:.4f}, PPL model {r.ppl_model:.4f} "
         f"({r.n_scored} tokens)"
     )
