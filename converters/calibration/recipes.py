@@ -74,17 +74,20 @@ def sensitivity(
     group_size: int,
     sym: bool = True,
     *,
+    max_tokens: int = 256,
     max_positions: int = 256,
     progress: bool = True,
 ) -> Sensitivity:
     """KL of the final logits when each decoder linear alone is rounded to `bits`/`group_size` (RTN).
 
-    tokens: int64 [n, T] calibration samples (a few are enough: the pass runs the model once per linear, from
-    that linear's layer on). KL is averaged over up to `max_positions` positions spread over the samples.
+    tokens: int64 [n, T] calibration samples, of which the first `max_tokens` are used (whole samples, or the
+    start of the first one): the pass runs the model once per linear, from that linear's layer on, so it costs
+    about a hundred forward passes over them. KL is averaged over up to `max_positions` positions among them.
     """
     import time
 
     t0 = time.perf_counter()
+    tokens = tokens[: max(1, max_tokens // tokens.shape[1]), :max_tokens]
     spec = detect(src)
     if spec.format != "safetensors" or not spec.config:
         raise ConfigError(f"{src} is not a dense safetensors checkpoint; the sensitivity pass reads those")
