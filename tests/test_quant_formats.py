@@ -637,7 +637,7 @@ def test_read_errors_name_tensor_and_numbers(tmp_path, fmt, kw, change, exc, par
 WRITE_ERRORS = [  # id, format, layers, message parts
     ("awq-8bit", "awq", {Q: qw(bits=8)}, ["AWQ", Q, "8-bit"]),
     ("awq-act-order", "awq", {Q: qw(act=True)}, ["AWQ", Q, "act-order"]),
-    ("gptq-mixed-bits", "gptq", {Q: qw(), DOWN: qw(bits=8)}, [Q, DOWN, "8-bit", "4-bit"]),
+    ("gptq-mixed-sym", "gptq", {Q: qw(), DOWN: qw(sym=False)}, [Q, DOWN, "symmetry", "asym"]),  # bits may mix
     ("gptq-3bit-k", "gptq", {Q: qw(bits=3, k=80, group=16)}, [Q, "K=80", "3 bits"]),
     ("marlin-n48", "marlin", {Q: qw(n=48)}, ["Marlin", "N=48"]),
     ("marlin-8bit-asym", "marlin", {Q: qw(bits=8, sym=False)}, ["asymmetric 8-bit"]),
