@@ -12,8 +12,9 @@ from click.testing import CliRunner
 
 from quantserve.backends.torch.tokenizer import HFTokenizer
 from quantserve.cli import main
+from quantserve.conversion_quality import builtin_text
 from quantserve.errors import ConfigError
-from quantserve.evaluate import ChunkScorer, builtin_text, kl_divergence, open_scorer, perplexity
+from quantserve.evaluate import ChunkScorer, kl_divergence, open_scorer, perplexity
 
 N_CTX = 128  # short chunks keep the CPU forward passes cheap; the conventions are the same at 512
 # One thread: spinning thread pools (llama.cpp's, torch's OpenMP) slow down ~5x on a busy 2-core machine.
@@ -151,7 +152,7 @@ def test_no_summary_and_lossless_conversions_print_none(tiny, tmp_path, monkeypa
     def refuse(*args, **kwargs):
         raise AssertionError("the summary ran")
 
-    monkeypatch.setattr("quantserve.evaluate.conversion_quality", refuse)
+    monkeypatch.setattr("quantserve.conversion_quality.conversion_quality", refuse)
     gguf = tmp_path / "tiny.f16.gguf"
     for args in (
         ["--src", str(tiny), "--dst", str(gguf), "--quant", "f16", "--no-summary"],

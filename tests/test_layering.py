@@ -24,6 +24,7 @@ LAYERS = (
     ("engine",),
     ("llm",),
     ("evaluate",),
+    ("conversion_quality",),  # scores with evaluate
     ("server", "converters"),
     ("cli",),
 )

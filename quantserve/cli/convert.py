@@ -242,7 +242,7 @@ def _check(src: Path, out: Path, text_file: Path | None, threads: int | None) ->
     """The --check table: source and output scored on the same text by llama.cpp, the HF sides as GGUF (dense ones
     converted losslessly, at their own dtype, and kept in the in-situ cache; quantized ones through their exact
     dequantized weights)."""
-    from quantserve.evaluate import conversion_quality, weight_footprint
+    from quantserve.conversion_quality import conversion_quality, weight_footprint
 
     text = text_file.read_text(encoding="utf-8") if text_file else None
     q = conversion_quality(src, out, text, threads=threads or 0, backend="llamacpp", use_cache=True)
@@ -271,9 +271,9 @@ def _check(src: Path, out: Path, text_file: Path | None, threads: int | None) ->
 
 
 def _summary(src: Path, out: Path, threads: int | None) -> str:
-    """The one line after a quantizing conversion (evaluate.conversion_quality on the built-in text, its scorer
+    """The one line after a quantizing conversion (conversion_quality.conversion_quality on the built-in text, its scorer
     chosen there). The output is written by then: a failure to score it is reported on the line, not as an error."""
-    from quantserve.evaluate import conversion_quality
+    from quantserve.conversion_quality import conversion_quality
 
     try:
         q = conversion_quality(src, out, threads=threads or 0)

@@ -22,8 +22,8 @@ def _path(model: str, models_file: str | None) -> Path:
 
 def gguf_for(model: str, models_file: str | None) -> Path:
     """A GGUF for MODEL: a path or models.toml name; dense checkpoints are converted (and cached) as by `run`,
-    quantized ones through their exact dequantized weights (evaluate.gguf_of)."""
-    from quantserve.evaluate import gguf_of
+    quantized ones through their exact dequantized weights (conversion_quality.gguf_of)."""
+    from quantserve.conversion_quality import gguf_of
 
     gguf, handle = gguf_of(_path(model, models_file), use_cache=True)
     _KEEP.append(handle)
