@@ -81,11 +81,10 @@ def footprint(path: Path) -> tuple[float, float]:
             total += bits
             if LINEAR.match(name):
                 lin_bits += bits
-    cfg = spec.config
-    d, f, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    hd = cfg.get("head_dim") or d // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    lin_n = layers * (d * q * 2 + d * kv * 2 + 3 * d * f)
+    from quantserve.backends.torch.model import ModelArgs
+    from quantserve.converters.calibration.recipes import linear_shapes
+
+    lin_n = sum(n * k for n, k in linear_shapes(ModelArgs.from_hf_config(spec.config)).values())
     return total / n_params, lin_bits / lin_n
 
 

@@ -36,9 +36,8 @@ class QuantizeReport:
     mean_loss: float | None  # GPTQ: mean ‖(W − Ŵ) X‖² per token over the linears
     calibration: str | None = None  # where the calibration tokens came from, and how many
     overrides: dict[str, tuple[int, int]] | None = None  # --bits-budget: linears raised, (bits, group_size)
-    linear_bpw: float | None = (
-        None  # bits per weight of the quantized linears, as the GPTQ format stores them
-    )
+    # bits per weight of the quantized linears, as the GPTQ format stores them
+    linear_bpw: float | None = None
 
 
 def quantize_checkpoint(

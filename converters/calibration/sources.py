@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from quantserve.converters.calibration.driver import calibration_tokens, split_tokens
+from quantserve.converters.calibration.driver import calibration_tokens
 from quantserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,3 @@ def _dataset_text(name: str, min_chars: int) -> str:
             f"--calib-dataset {name}: its train split has no text column", param="calib_dataset"
         )
     return "\n\n".join(parts)
-
-
-__all__ = ["Calibration", "calibration_set", "self_generated", "split_tokens"]
