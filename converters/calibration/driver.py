@@ -194,24 +194,15 @@ def _stream(
         n = tokens.shape[1]
         rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)  # the model's, once
     del embed
-    block = _empty_block(args, device)
+    block = empty_block(args, device)
     state = block.state_dict()
     n_layers = args.num_hidden_layers
     bar = tqdm(range(n_layers), desc=f"quantize ({opt.method})", unit="layer", disable=not progress)
     for i in bar:
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
-        dtypes = {}
-        for name, dst in state.items():
-            src = reader.get(prefix + name)
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ModelFileError(
-                    f"{prefix + name}: shape {list(src.shape)}, config implies {list(dst.shape)}"
-                )
-            dst.copy_(src)
-            dtypes[name] = src.dtype
-            used.add(prefix + name)
-        del src
+        dtypes = load_layer(reader, state, i)
+        used.update(prefix + name for name in state)
         results = LAYER_METHODS[opt.method](
             block, hidden, rope if hidden is not None else None, replace(opt, layer=i)
         )
@@ -246,7 +237,25 @@ def _stream(
         log.warning("tensors not part of the quantized model were dropped: %s", ", ".join(unused[:8]))
 
 
-def _empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
+def load_layer(reader: SafetensorsReader, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.dtype]:
+    """Copy decoder layer i's tensors into a block's state dict (as float32); returns their stored dtypes.
+
+    Raises:
+        ModelFileError: a tensor is missing or its shape differs from what config.json implies.
+    """
+    dtypes = {}
+    for name, dst in state.items():
+        src = reader.get(f"model.layers.{i}.{name}")
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ModelFileError(
+                f"model.layers.{i}.{name}: shape {list(src.shape)}, config implies {list(dst.shape)}"
+            )
+        dst.copy_(src)
+        dtypes[name] = src.dtype
+    return dtypes
+
+
+def empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
     """A float32 decoder block on `device`, reused for every layer (no random init of weights that get
     overwritten)."""
     with torch.device("meta"):

@@ -166,6 +166,64 @@ class GPTQ:
         ).with_trivial_g_idx_dropped()
         return GPTQResult(weight, Wq, max(per_row, 0.0), damp)
 
+    def round_to_grid(
+        self,
+        w: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        lo: int,
+        hi: int,
+        act_order: bool = True,
+        damp_percent: float = 0.01,
+        block_size: int = 128,
+        name: str = "weight",
+        keep_hessian: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GPTQ's rounding onto a grid fixed in advance: weight (i, j) may take scale[i, j]·q + offset[i, j] for
+        an integer q in [lo, hi] (a GGUF block's values once llama.cpp chose its scales; gguf/codes.py).
+
+        The column sweep and its error feedback are fasterquant's; only the candidate values differ, and since
+        they do not depend on the sweep, act_order needs no g_idx. Returns (int32 codes, the settled float32
+        weights), both [N, K].
+        """
+        if self.H is None or self.nsamples == 0:
+            raise ConfigError(f"{name}: GPTQ needs calibration inputs; none reached this layer")
+        H = self.H.clone() if keep_hessian else self.H
+        if not keep_hessian:
+            self.H = None
+        dev = H.device
+        W = w.detach().to(dev, torch.float32).clone()
+        S, Off = scale.to(dev, torch.float32), offset.to(dev, torch.float32)
+        inv = torch.where(S != 0, 1 / S, torch.zeros_like(S))
+        dead = torch.diag(H) == 0
+        H[dead, dead] = 1
+        W[:, dead] = 0
+        perm = (
+            torch.argsort(torch.diag(H), descending=True)
+            if act_order
+            else torch.arange(W.shape[1], device=dev)
+        )
+        W, H, S, Off, inv = W[:, perm], H[perm][:, perm], S[:, perm], Off[:, perm], inv[:, perm]
+        Hinv, _ = _inverse_cholesky(H, damp_percent, name)
+        del H
+        k = W.shape[1]
+        Q = torch.zeros_like(W)
+        for i1 in range(0, k, block_size):
+            i2 = min(i1 + block_size, k)
+            W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+            Err1 = torch.zeros_like(W1)
+            for i in range(i2 - i1):
+                c = i1 + i
+                q = torch.clamp(torch.round((W1[:, i] - Off[:, c]) * inv[:, c]), lo, hi)
+                Q[:, c] = q
+                err = (W1[:, i] - (S[:, c] * q + Off[:, c])) / Hinv1[i, i]
+                W1[:, i:] -= err[:, None] @ Hinv1[i : i + 1, i:]
+                Err1[:, i] = err
+            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+        back = torch.argsort(perm)
+        Q = Q[:, back]
+        return Q.to(torch.int32), (scale.to(dev, torch.float32) * Q + offset.to(dev, torch.float32))
+
 
 def _inverse_cholesky(H: torch.Tensor, damp_percent: float, name: str) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor of (H + damp·mean(diag H)·I)⁻¹; raises the dampening until H is positive

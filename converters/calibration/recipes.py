@@ -26,7 +26,8 @@ from quantserve.converters.calibration.driver import (
     FINAL_NORM,
     LM_HEAD,
     SafetensorsReader,
-    _empty_block,
+    empty_block,
+    load_layer,
 )
 from quantserve.converters.calibration.layers import LINEARS
 from quantserve.errors import ConfigError
@@ -96,9 +97,8 @@ def sensitivity(
     n_layers = args.num_hidden_layers
     blocks = []
     for i in range(n_layers):
-        block = _empty_block(args, "cpu")
-        for name, p in block.state_dict().items():
-            p.copy_(reader.get(f"model.layers.{i}.{name}"))
+        block = empty_block(args, "cpu")
+        load_layer(reader, block.state_dict(), i)
         blocks.append(block)
     embed = reader.get(EMBED).float()
     head = embed if args.tie_word_embeddings or LM_HEAD not in reader else reader.get(LM_HEAD).float()

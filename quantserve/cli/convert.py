@@ -51,7 +51,9 @@ def _size(path: Path) -> str:
               help="Symmetric weights, or zero points [default: --sym for gptq/rtn, --asym for awq].")  # fmt: skip
 @click.option("--calib", default=None, metavar="builtin|self|FILE",
               help="gptq/awq calibration: 'builtin' (a small built-in English text, the default), 'self' (text the "
-              "model samples itself, data-free: works offline for any model) or a UTF-8 text file.")  # fmt: skip
+              "model samples itself, data-free: works offline for any model) or a UTF-8 text file. With a GGUF "
+              "--quant: a calibrated GGUF, the same file type and size with GPTQ choosing the codes inside "
+              "llama.cpp's blocks (and an importance matrix from the same tokens unless --imatrix is given).")  # fmt: skip
 @click.option("--calib-dataset", default=None, metavar="ORG/NAME[:CONFIG]",
               help="Calibrate on a Hugging Face dataset's train split instead (needs `datasets` and network).")  # fmt: skip
 @click.option("--bits-budget", type=click.FloatRange(min=1.0), default=None, metavar="B",
@@ -119,6 +121,7 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
       quantserve convert --src model.gguf --dst model-hf/ --dtype bf16
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m
       quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --imatrix imatrix.gguf
+      quantserve convert --src model-hf/ --dst model.Q4_K_M.gguf --quant q4_k_m --calib builtin
       quantserve convert --src llava-1.5-7b-hf/ --dst out/ --quant q4_k_m      (text GGUF + mmproj)
       quantserve convert --src model-hf/ --dst model-gptq/ --quant gptq --group-size 128 --act-order group
       quantserve convert --src model-hf/ --dst model-awq/ --quant awq --calib my-text.txt
@@ -149,9 +152,9 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
             raise ConfigError("--format writes quantized HF directories; use it with --quant gptq|awq|rtn")
         fmt = src_fmt
         if fmt == "gguf":
-            if quant or imatrix or threads:
+            if quant or imatrix or threads or calib or calib_dataset:
                 raise ConfigError(
-                    "--quant, --imatrix and --threads apply to HF -> GGUF; GGUF -> HF takes --dtype"
+                    "--quant, --calib, --imatrix and --threads apply to HF -> GGUF; GGUF -> HF takes --dtype"
                 )
             out = gguf_to_hf(src, dst, dtype=dtype or "bf16", force=force)
         elif fmt == "safetensors":
@@ -163,12 +166,22 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
                 raise ConfigError(
                     "pass --quant for HF -> GGUF, e.g. --quant q4_k_m (or f16 for no quantization)"
                 )
+            _fail_if(llava and (calib or calib_dataset), "--calib applies to language models; a LLaVA "
+                     "checkpoint converts with llama.cpp's rounding (drop --calib, or pass --imatrix)")  # fmt: skip
             if llava:  # the language model and its vision projector, the pair llama.cpp's libmtmd loads
                 files = llava_to_gguf(src, dst, quant, mmproj_type or "f16", imatrix, force, threads)
                 out = files.text
                 companions.append(
                     f"wrote {files.mmproj} ({_size(files.mmproj)}): the vision projector (mmproj)"
                 )
+            elif calib or calib_dataset:
+                _fail_if(bits_budget or sym is not None or bits != "4" or group_size != 128,
+                         "--calib with a GGUF --quant keeps the file type's own bits, groups and mix; drop "
+                         "--bits, --group-size, --sym/--asym and --bits-budget")  # fmt: skip
+                calibration = _Calibration(calib, calib_dataset, calib_samples, calib_seq_len, seed, None)
+                line, out = _to_calibrated_gguf(src, dst, quant, calibration, act_order, damp_percent, imatrix,
+                                                threads, force)  # fmt: skip
+                companions.append(line)
             else:
                 out = hf_to_gguf(src, dst, quant=quant, imatrix=imatrix, force=force, nthread=threads)
         else:
@@ -177,7 +190,7 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
             )
     except QuantserveError as exc:
         fail(exc)
-    click.echo(f"wrote {out} ({_size(out)})" + (": the language model" if companions else ""))
+    click.echo(f"wrote {out} ({_size(out)})" + (": the language model" if llava else ""))
     for line in companions:
         click.echo(line)
     if check:
@@ -236,6 +249,28 @@ def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt:
         f"wrote {r.path} ({_size(r.path)}): {r.n_linears} linears, {quant} {bits}-bit group {group_size}{mixed} "
         f"({r.linear_bpw:.3f} bits/weight over the linears) as {r.format} in {r.seconds:.1f}s{loss}{calibrated}"
     )
+
+
+def _to_calibrated_gguf(src: Path, dst: Path, quant: str, c: _Calibration, act_order: str | None,
+                        damp_percent: float, imatrix: Path | None, threads: int | None,
+                        force: bool) -> tuple[str, Path]:  # fmt: skip
+    from quantserve.converters.calibration.driver import DEFAULT_N_SAMPLES, DEFAULT_SEQ_LEN
+    from quantserve.converters.calibration.gguf_gptq import calibrated_gguf
+    from quantserve.converters.calibration.sources import calibration_set
+
+    cal = calibration_set(src, c.calib, dataset=c.dataset, n_samples=c.samples or DEFAULT_N_SAMPLES,
+                          seq_len=c.seq_len or DEFAULT_SEQ_LEN, seed=c.seed)  # fmt: skip
+    described = f"{cal.source}: {cal.tokens.shape[0]} x {cal.tokens.shape[1]} tokens"
+    r = calibrated_gguf(src, dst, quant, cal.tokens, calibration=described, imatrix=imatrix,
+                        act_order=act_order != "off", damp_percent=damp_percent, nthread=threads, force=force)  # fmt: skip
+    im = (
+        "an importance matrix from the same tokens" if imatrix is None else f"the importance matrix {imatrix}"
+    )
+    kept = f"; {len(r.kept)} kept llama.cpp's codes (types GPTQ does not round)" if r.kept else ""
+    return (
+        f"{quant.upper()} with GPTQ's codes in {r.n_rounded} linears{kept}; block scales by llama.cpp with {im}; "
+        f"calibrated on {described} in {r.seconds:.1f}s"
+    ), r.path
 
 
 def _check(src: Path, out: Path, text_file: Path | None, threads: int | None) -> str:

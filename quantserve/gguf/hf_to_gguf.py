@@ -35,6 +35,7 @@ def hf_to_gguf(
     progress: bool = True,
     force: bool = False,
     nthread: int | None = None,
+    imatrix_label: str | None = None,
 ) -> Path:
     """Convert a dense HF checkpoint (llama, mistral, qwen2, qwen3) to one GGUF file.
 
@@ -51,6 +52,7 @@ def hf_to_gguf(
         progress: tqdm bars while writing.
         force: replace an existing dst.
         nthread: threads for llama.cpp's quantizer (default: all cores).
+        imatrix_label: what the output's quantize.imatrix.file key says (default: the imatrix path).
     Returns:
         dst.
     Raises:
@@ -90,7 +92,7 @@ def hf_to_gguf(
             with temporary_sibling(dst, first.name) as intermediate:
                 write_gguf(intermediate, arch, hp, tensors, vocab, first, spec_model.directory, progress)
                 log.info("quantizing %s to %s with llama.cpp", intermediate.name, target.name.upper())
-                quantize_file(intermediate, tmp, target, imatrix, nthread, verbose=progress)
+                quantize_file(intermediate, tmp, target, imatrix, nthread, progress, imatrix_label)
         else:
             write_gguf(tmp, arch, hp, tensors, vocab, target, spec_model.directory, progress)
     return dst

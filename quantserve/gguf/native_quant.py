@@ -50,12 +50,12 @@ def _kv(key: str, value: int | str) -> llama_cpp.llama_model_kv_override:
 
 
 def quantize_file(src: Path, dst: Path, target: QuantTarget, imatrix: Path | None = None,
-                  nthread: int | None = None, verbose: bool = True) -> None:  # fmt: skip
+                  nthread: int | None = None, verbose: bool = True, imatrix_label: str | None = None) -> None:  # fmt: skip
     """Run llama.cpp's quantizer on an F32/F16/BF16 GGUF (what `llama-quantize src dst TYPE` does).
 
     Args:
         imatrix: a GGUF importance matrix from llama-imatrix; recorded in the output as quantize.imatrix.*
-            keys, like llama-quantize does.
+            keys, like llama-quantize does (quantize.imatrix.file is `imatrix_label` when given).
         verbose: let llama.cpp print its per-tensor log (its only progress report) to stderr.
     Raises:
         ConversionError: llama.cpp reported a failure (its log, on stderr, says why).
@@ -75,7 +75,7 @@ def quantize_file(src: Path, dst: Path, target: QuantTarget, imatrix: Path | Non
             entries[i].size = values.size
         params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
         kvs = [
-            _kv("quantize.imatrix.file", str(imatrix)),
+            _kv("quantize.imatrix.file", imatrix_label or str(imatrix)),
             _kv("quantize.imatrix.entries_count", len(im.values)),
         ]
         if im.datasets:
