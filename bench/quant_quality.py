@@ -11,6 +11,12 @@ their exact dequantized weights as an f32 GGUF), n_ctx 512, the second half of e
 - Calibration: the same int64 token ids for both tools (by default the built-in text's first 7 x 512 tokens).
 - The peer, llm-compressor's GPTQModifier and AWQModifier, runs in its own venv (bench/.build/llmc, made here
   when missing: torch 2.13.0 CPU and llmcompressor 0.14) through bench/llmc_peer.py.
+- Settings both tools run (GPTQ sym/asym at g32/g64, AWQ asym g64) are written as compressed-tensors by both, so
+  a setting stores the same bytes on both sides. Symmetric GPTQ, whose perplexity swings most with the calibration
+  (the issue's note on layer 28's down_proj), also runs on further calibration sets: --calib self, seeds 1..N.
+- Our recipes: AWQ+GPTQ, --calib self, --bits-budget; then llama.cpp's own GGUF types beside the same types
+  calibrated (`convert --quant TYPE --calib`: an importance matrix, then GPTQ's codes in llama.cpp's blocks), which
+  store the same tensor bytes as llama.cpp's file of that type.
 - Sizes are bits per weight two ways: over all parameters (embeddings included, tied ones once) and over the
   decoder linears alone. Float tensors count 16 bits (as an fp16 file stores them; the source here is fp32),
   everything else as stored: packed weights, zero points, g_idx.
@@ -25,6 +31,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import struct
 import subprocess
 import tempfile
@@ -94,7 +101,9 @@ def ensure_peer() -> Path:
         print(f"making the peer's venv at {PEER_VENV} ({PEER}, torch 2.13.0 CPU)", flush=True)
         subprocess.run(["python3.11", "-m", "venv", str(PEER_VENV)], check=True)
         pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run(pip + ["torch==2.13.0"], check=True)  # the CPU wheel on disk, before anything pulls CUDA
+        subprocess.run(
+            pip + ["torch==2.13.0"], check=True
+        )  # the CPU wheel on disk, before anything pulls CUDA
         subprocess.run(pip + [PEER], check=True)
     return python
 
@@ -120,12 +129,25 @@ def run_peer(python: Path, src: Path, dst: Path, method: str, group: int, sym: b
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--text", required=True, type=Path, help="held-out text to score (not the calibration text)")
+    ap.add_argument(
+        "--text", required=True, type=Path, help="held-out text to score (not the calibration text)"
+    )
     ap.add_argument("--src", type=Path, default=None, help="dense HF dir [default: SmolLM2 via GGUF -> HF]")
     ap.add_argument("--calib-samples", type=int, default=7)
     ap.add_argument("--calib-seq-len", type=int, default=512)
-    ap.add_argument("--settings", default="gptq-sym-64,gptq-asym-64,gptq-sym-32,awq-asym-64",
+    ap.add_argument("--settings", default="gptq-sym-64,gptq-asym-64,gptq-sym-32,gptq-asym-32,awq-asym-64",
                     help="METHOD-SYM-GROUP list run by both tools")  # fmt: skip
+    ap.add_argument(
+        "--subsets",
+        type=int,
+        default=2,
+        help="further calibration sets (--calib self, seeds 1..N) for --subset-settings, both tools",
+    )
+    ap.add_argument(
+        "--subset-settings",
+        default="gptq-sym-64,gptq-sym-32",
+        help="settings also run on the further calibration sets (symmetric GPTQ swings most)",
+    )
     ap.add_argument("--recipes", default="all", help="our further recipes: all, or none")
     ap.add_argument("--no-peer", action="store_true", help="skip llm-compressor")
     ap.add_argument("--threads", type=int, default=2)
@@ -137,6 +159,7 @@ def main() -> None:
     from quantserve.cli.eval import gguf_for
     from quantserve.converters import gguf_to_hf, hf_to_gguf
     from quantserve.converters.calibration.driver import calibration_tokens
+    from quantserve.converters.calibration.gguf_gptq import calibrated_gguf
     from quantserve.converters.calibration.quantize import quantize_checkpoint
     from quantserve.converters.calibration.sources import self_generated
     from quantserve.evaluate import perplexity
@@ -173,35 +196,80 @@ def main() -> None:
 
     python = None if args.no_peer else ensure_peer()
     version = peer_version(python) if python else None
-    ours = {}
+    self_sets: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def self_tokens(seed: int) -> tuple[torch.Tensor, float]:
+        """--calib self's tokens for `seed` (made once), and the seconds making them took."""
+        if seed not in self_sets:
+            start = time.perf_counter()
+            self_sets[seed] = (
+                self_generated(src, n, t, seed=seed, progress=False),
+                time.perf_counter() - start,
+            )
+        return self_sets[seed]
+
+    # Both tools write compressed-tensors here, so the same setting stores the same bytes on both sides.
+    subsets = {"built-in text": tokens} | {
+        f"--calib self seed {s}": self_tokens(s)[0] for s in range(1, args.subsets + 1)
+    }
     for setting in args.settings.split(","):
         method, symmetry, group = setting.split("-")
         sym, group = symmetry == "sym", int(group)
         label = f"{method.upper()} {symmetry} g{group}"
-        r = quantize_checkpoint(src, work / f"ours-{setting}", method, group_size=group, sym=sym,
-                                calib_tokens=tokens, progress=False)  # fmt: skip
-        ours[setting] = score(label, "quantserve", r.path, r.seconds)
-        if python:
-            dst = work / f"llmc-{setting}"
-            seconds = run_peer(python, src, dst, method, group, sym, tokens_file, args.threads)
-            score(label, "llm-compressor", dst, seconds)
+        for what, toks in (
+            subsets.items() if setting in args.subset_settings.split(",") else [("built-in text", tokens)]
+        ):
+            tag = "" if what == "built-in text" else f", {what}"
+            r = quantize_checkpoint(src, work / f"ours-{setting}", method, fmt="compressed-tensors", group_size=group,
+                                    sym=sym, calib_tokens=toks, progress=False, force=True)  # fmt: skip
+            score(label + tag, "quantserve", r.path, r.seconds)
+            if python:
+                toks_file = work / "subset.json"
+                toks_file.write_text(json.dumps(toks.tolist()))
+                dst = work / f"llmc-{setting}"
+                shutil.rmtree(dst, ignore_errors=True)
+                seconds = run_peer(python, src, dst, method, group, sym, toks_file, args.threads)
+                score(label + tag, "llm-compressor", dst, seconds)
 
     if args.recipes != "none":
         r = quantize_checkpoint(src, work / "ours-awq-gptq", "awq-gptq", group_size=64, sym=False,
                                 calib_tokens=tokens, progress=False)  # fmt: skip
         score("AWQ+GPTQ asym g64", "quantserve", r.path, r.seconds)
-        start = time.perf_counter()
-        self_tokens = self_generated(src, n, t, seed=0, progress=False)
-        gen = time.perf_counter() - start
+        self0, gen = self_tokens(0)
         r = quantize_checkpoint(src, work / "ours-gptq-self", "gptq", group_size=64, sym=False,
-                                calib_tokens=self_tokens, progress=False)  # fmt: skip
-        score("GPTQ asym g64, --calib self", "quantserve", r.path, r.seconds + gen,
+                                calib_tokens=self0, progress=False)  # fmt: skip
+        score("GPTQ asym g64, --calib self seed 0", "quantserve", r.path, r.seconds + gen,
               f"{n} x {t} self-generated tokens ({gen:.0f} s to generate), against the built-in text's row above")  # fmt: skip
         for budget in (4.5, 5.5):
             r = quantize_checkpoint(src, work / f"ours-budget-{budget}", "awq-gptq", group_size=64, sym=False,
                                     calib_tokens=tokens, bits_budget=budget, progress=False)  # fmt: skip
             score(f"AWQ+GPTQ asym g64, --bits-budget {budget}", "quantserve", r.path, r.seconds,
                   f"{len(r.overrides or {})} linears at 8 bits")  # fmt: skip
+
+        # Equal size, by construction: llama.cpp's own file types (the K-quant mixes and two legacy types),
+        # then the same files with GPTQ choosing the codes inside llama.cpp's blocks (--calib).
+        for q in ("q4_0", "q5_0", "q5_k_m", "q6_k"):
+            start = time.perf_counter()
+            path = hf_to_gguf(src, work / f"{q}.gguf", quant=q, progress=False)
+            score(q, "llama.cpp", path, time.perf_counter() - start)
+        r = calibrated_gguf(
+            src, work / "q4_k_m-imatrix.gguf", "q4_k_m", tokens, round_codes=False, progress=False
+        )
+        score("q4_k_m + importance matrix from the built-in text", "quantserve", r.path, r.seconds,
+              "llama.cpp's quantizer, our imatrix; no GPTQ")  # fmt: skip
+        calibrations = {
+            "built-in text": tokens,
+            "--calib self seed 0": self0,
+            "--calib self seed 1": self_tokens(1)[0],
+        }
+        for what, toks in calibrations.items():
+            r = calibrated_gguf(src, work / "q4_k_m-cal.gguf", "q4_k_m", toks, progress=False, force=True)
+            score(f"q4_k_m calibrated ({what})", "quantserve", r.path, r.seconds,
+                  f"llama.cpp's q4_k_m tensor bytes; GPTQ codes in {r.n_rounded} linears")  # fmt: skip
+        for q in ("q4_0", "q5_0", "q5_k_m"):
+            r = calibrated_gguf(src, work / f"{q}-cal.gguf", q, tokens, progress=False)
+            score(f"{q} calibrated (built-in text)", "quantserve", r.path, r.seconds,
+                  f"GPTQ codes in {r.n_rounded} linears")  # fmt: skip
 
     base = rows[0].ppl
     lines = [
@@ -211,14 +279,16 @@ def main() -> None:
         "- model: SmolLM2-135M-Instruct, full precision from quantserve's GGUF -> HF converter (the Q4_1 GGUF's "
         "weights, fp32)",
         f"- peer: llm-compressor {version} (GPTQModifier, AWQModifier; compressed-tensors output), in its own venv"
-        if version else "- peer: not run (--no-peer)",
-        f"- calibration: the built-in text, {n} x {t} tokens, the same ids for both tools; fp16 group scales on both; GPTQ act-order static on "
-        "both, dampening 0.01",
+        if version
+        else "- peer: not run (--no-peer)",
+        f"- calibration: the built-in text, {n} x {t} tokens, the same ids for both tools (rows marked --calib self: "
+        f"{n} x {t} tokens the model sampled, seeded); fp16 group scales on both; GPTQ act-order static on both, "
+        "dampening 0.01; both tools write compressed-tensors for the shared settings",
         f"- scored text: {args.text} ({len(text)} bytes), n_ctx 512, second half of each chunk scored, by llama.cpp "
         "(quantized directories through their exact dequantization)",
         "- bits/weight: over all parameters (embeddings included) and over the decoder linears; float tensors at 16 "
         "bits (fp16 storage), the rest as stored",
-        f"- command: `.venv/bin/python bench/quant_quality.py --text {args.text}`",
+        f"- command: `.venv/bin/python bench/quant_quality.py --text {args.text} --subsets {args.subsets}`",
         "",
         "| model | tool | PPL | ΔPPL | bpw (all) | bpw (linears) | wall time | note |",
         "|---|---|---|---|---|---|---|---|",
@@ -227,6 +297,24 @@ def main() -> None:
         wall = "—" if r.seconds is None else f"{r.seconds:.1f} s"
         lines.append(f"| {r.name} | {r.tool} | {r.ppl:.4f} | {100 * (r.ppl / base - 1):+.2f} % | {r.bpw_all:.2f} "
                      f"| {r.bpw_linear:.2f} | {wall} | {r.note} |")  # fmt: skip
+    shared: dict[str, dict[str, list[Row]]] = {}
+    peer_names = {r.name for r in rows if r.tool == "llm-compressor"}
+    for r in rows:
+        if r.name in peer_names and r.tool in ("quantserve", "llm-compressor"):
+            shared.setdefault(r.name.split(",")[0], {}).setdefault(r.tool, []).append(r)
+    if shared:
+        lines += [
+            "",
+            "Shared settings, mean over the calibration sets each ran on:",
+            "",
+            "| setting | sets | quantserve PPL | llm-compressor PPL | ours / peer | wall time ours / peer |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, by in shared.items():
+            ours, peer = by["quantserve"], by["llm-compressor"]
+            po, pp = (sum(r.ppl for r in x) / len(x) for x in (ours, peer))
+            wo, wp = (sum(r.seconds or 0 for r in x) for x in (ours, peer))
+            lines.append(f"| {name} | {len(ours)} | {po:.4f} | {pp:.4f} | {po / pp:.3f} | {wo / wp:.2f} |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
