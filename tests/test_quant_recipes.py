@@ -106,6 +106,12 @@ def test_bits_budget_writes_dynamic_overrides_that_read_back(tmp_path: Path) -> 
                 stored += t.numel() * t.element_size() * 8
     n_weights = sum(w.N * w.K for w in read.values())
     assert stored / n_weights == pytest.approx(r.linear_bpw, rel=1e-6)
+    # inspect counts each linear's parameters with its own bits, so the total is the dense model's
+    from quantserve.formats import summarize
+
+    assert summarize(spec).n_params == summarize(detect(d)).n_params
+    types = " ".join(summarize(spec).quant_types.values())
+    assert "GPTQ int4 g32" in types and "GPTQ int8 g32" in types
 
 
 def test_awq_gptq_beats_rtn_and_folds_awq_scales(tmp_path: Path) -> None:

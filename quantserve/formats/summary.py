@@ -84,24 +84,24 @@ _AUXILIARY = {
 }
 
 
-def _quant_label(spec: ModelSpec) -> str:
+def _quant_label(spec: ModelSpec, bits: int, group: int) -> str:
     assert spec.scheme is not None
-    bits, group, _ = spec.scheme.weights()
     return f"{spec.scheme.label} int{bits} {'per-channel' if group == -1 else f'g{group}'}"
 
 
 def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
     headers = [read_safetensors_header(f) for f in spec.files]
     tensors = [t for h in headers for t in h.tensors.values()]
-    bits = spec.scheme.weights()[0] if spec.scheme else None
     quantized = {t.name.rsplit(".", 1)[0] for t in tensors if t.name.rsplit(".", 1)[-1] in _PACKED}
     n_params, classes = 0, []
     for t in tensors:
         prefix, _, last = t.name.rpartition(".")
         cls = prefix.rsplit(".", 1)[-1] if prefix else t.name
-        if prefix in quantized and last in _PACKED and bits:
+        if prefix in quantized and last in _PACKED and spec.scheme:
+            # per module: GPTQModel `dynamic` rules may give a linear other bits than the config's
+            bits, group = spec.scheme.layer(prefix).bits, spec.scheme.layer(prefix).group_size
             n_params += t.n_elements * DTYPE_BITS[t.dtype] // bits  # each word packs dtype_bits/bits weights
-            classes.append((cls, _quant_label(spec)))
+            classes.append((cls, _quant_label(spec, bits, group)))
         elif prefix in quantized and last in _AUXILIARY:
             continue
         else:
