@@ -111,7 +111,7 @@ def ensure_peer() -> Path:
 def peer_version(python: Path) -> str:
     out = subprocess.run([str(python), "-c", "import llmcompressor;print(llmcompressor.__version__)"],
                          capture_output=True, text=True, check=True)  # fmt: skip
-    return out.stdout.strip()
+    return out.stdout.strip().splitlines()[-1]  # its import logs a warning line on CPU-only machines
 
 
 def run_peer(python: Path, src: Path, dst: Path, method: str, group: int, sym: bool, tokens: Path,
