@@ -11,7 +11,8 @@
 
 The tensors keep llama.cpp's types, layout and sizes to the byte; only the integer codes differ, so every GGUF
 reader loads it. The header adds llama-quantize's quantize.imatrix.* keys (file "quantserve", its entry count,
-the calibration described as its dataset and one chunk): some 200 bytes. Types GPTQ cannot round here (Q2_K, Q3_K, IQ*) keep llama.cpp's codes, and the report names them.
+the calibration described as its dataset and one chunk): some 200 bytes. Types GPTQ cannot round here (Q2_K,
+Q3_K, IQ*) keep llama.cpp's codes, and the report names them.
 """
 
 from __future__ import annotations

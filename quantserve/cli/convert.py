@@ -52,7 +52,7 @@ def _size(path: Path) -> str:
 @click.option("--calib", default=None, metavar="builtin|self|FILE",
               help="gptq/awq calibration: 'builtin' (a small built-in English text, the default), 'self' (text the "
               "model samples itself, data-free: works offline for any model) or a UTF-8 text file. With a GGUF "
-              "--quant: a calibrated GGUF, the same file type and size with GPTQ choosing the codes inside "
+              "--quant: a calibrated GGUF, the same file type and tensor sizes with GPTQ choosing the codes inside "
               "llama.cpp's blocks (and an importance matrix from the same tokens unless --imatrix is given).")  # fmt: skip
 @click.option("--calib-dataset", default=None, metavar="ORG/NAME[:CONFIG]",
               help="Calibrate on a Hugging Face dataset's train split instead (needs `datasets` and network).")  # fmt: skip
