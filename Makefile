@@ -19,9 +19,9 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLA
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 VOCABS := bench/.build/src/vendor/llama.cpp/models/.extracted-vocabs-templates
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup serve test lint bench clean chromium
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,17 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/quantserve run $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(STAMP) $(VOCABS)
+test: setup $(VOCABS)
 	$(BIN)/python -m pytest -q
+
+# Debian's chromium and chromedriver, for the chat page's browser tests, where apt-get runs (as root or with
+# passwordless sudo). Best effort: elsewhere, or if the install fails, those tests skip.
+chromium:
+	-@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ] || ! command -v apt-get >/dev/null; then exit 0; \
+	elif [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else exit 0; fi; \
+	$$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	  --no-install-recommends chromium chromium-driver >/dev/null \
+	  || echo "chromium not installed: the chat page's browser tests will skip"
 
 $(VOCABS):
 	-mkdir -p bench/.build/sdist bench/.build/src && \

@@ -68,7 +68,8 @@ def test_api_key_is_required_and_checked(small_server):
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.post(url, json=body, headers=AUTH, timeout=30).status_code == 200
-    assert httpx.get(small_server.base_url + "/health").status_code == 200  # liveness stays open
+    for probe in ("/health", "/healthz", "/ready", "/readyz"):  # probes stay open, in both spellings
+        assert httpx.get(small_server.base_url + probe).status_code == 200, probe
 
 
 def test_flood_beyond_the_queue_gets_clean_503(small_server):

@@ -1,4 +1,5 @@
-"""create_app(settings): the OpenAI-compatible FastAPI app, with health, readiness and metrics routes."""
+"""create_app(settings): the OpenAI-compatible FastAPI app, with health, readiness and metrics routes and the chat
+page at /."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from importlib.resources import files
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -28,6 +30,23 @@ from quantserve.server.settings import ServerSettings
 from quantserve.server.state import ServerState
 
 log = logging.getLogger("quantserve.server")
+
+# The chat page's files (quantserve/server/static, shipped as package data) and their types.
+_STATIC = {"chat.html": "text/html", "chat.css": "text/css", "chat.js": "text/javascript"}
+# Model output reaches the page only as text; this policy would also stop any markup that slipped through
+# from running scripts or loading anything from elsewhere.
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+def _static(name: str) -> Response:
+    if name not in _STATIC:
+        return error_response(404, f"no such file: /static/{name}", "invalid_request_error")
+    body = (files("quantserve.server") / "static" / name).read_bytes()
+    headers = {"Content-Security-Policy": _CSP, "Cache-Control": "no-cache"}
+    return Response(body, media_type=_STATIC[name], headers=headers)
 
 
 def create_app(
@@ -82,6 +101,14 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return _static("chat.html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static_file(name: str):
+        return _static(name)
 
     @app.get("/health")
     @app.get("/healthz")  # the Kubernetes names, as the vision-language server had them

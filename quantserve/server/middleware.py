@@ -21,7 +21,8 @@ _ROUTES = frozenset(
         "/ready",
     }
 )
-_OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/openapi.json")
+# Probes (both spellings) and docs; "/" and /static/*: the chat page, which asks for the key itself.
+_OPEN_PATHS = ("/health", "/healthz", "/ready", "/readyz", "/metrics", "/docs", "/openapi.json", "/")
 
 
 async def _send_error(scope, send, status: int, message: str, code: str | None = None, headers=()) -> None:
@@ -82,7 +83,7 @@ class ApiKeyMiddleware:
         self.app, self.key = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS or scope["path"].startswith("/static/"):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
