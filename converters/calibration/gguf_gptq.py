@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -144,35 +145,40 @@ def calibrated_gguf(
     return CalibratedGGUF(dst, seconds, n_rounded, kept, "computed" if imatrix is None else str(imatrix))
 
 
-def _embed(reader: SafetensorsReader, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.nn.functional.embedding(tokens.to(device), reader.get(EMBED).to(device, torch.float32))
+def _first_layer_inputs(
+    reader: SafetensorsReader, args: ModelArgs, tokens: torch.Tensor, device: torch.device
+):
+    """(the embedded calibration tokens, the rope table, an empty float32 block and its state dict)."""
+    hidden = torch.nn.functional.embedding(tokens.to(device), reader.get(EMBED).to(device, torch.float32))
+    n = tokens.shape[1]
+    rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)
+    block = empty_block(args, device)
+    return hidden, rope, block, block.state_dict()
 
 
 def _input_energy(
     reader, args: ModelArgs, tokens, device, batch_size: int, progress: bool
 ) -> dict[str, np.ndarray]:
-    """Σ x² over the calibration tokens of every linear's input column, on the full-precision model."""
-    hidden = _embed(reader, tokens, device)
-    n = tokens.shape[1]
-    rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)
-    block = empty_block(args, device)
-    state = block.state_dict()
+    """Σ x² over the calibration tokens of every linear's input column, on the full-precision model (one
+    forward pass per layer: hooks sum the inputs while the block computes the next layer's)."""
+    hidden, rope, block, state = _first_layer_inputs(reader, args, tokens, device)
+    acc: dict[str, torch.Tensor] = {}
+
+    def hook(name: str, module, inputs, output) -> None:
+        s = inputs[0].float().pow(2).reshape(-1, inputs[0].shape[-1]).sum(0)
+        acc[name] = acc[name] + s if name in acc else s
+
+    for name in sorted({SAME_INPUT.get(m, m) for m in LINEARS}):
+        block.get_submodule(name).register_forward_hook(partial(hook, name))
     sums: dict[str, np.ndarray] = {}
-    hooked = sorted({SAME_INPUT.get(n, n) for n in LINEARS})
     for i in tqdm(
         range(args.num_hidden_layers), desc="importance matrix", unit="layer", disable=not progress
     ):
         load_layer(reader, state, i)
-        acc: dict[str, torch.Tensor] = {}
-
-        def sink(name: str, x: torch.Tensor, acc=acc) -> None:
-            s = x.float().pow(2).reshape(-1, x.shape[-1]).sum(0)
-            acc[name] = acc[name] + s if name in acc else s
-
-        capture(block, hidden, rope, hooked, sink, batch_size)
+        acc.clear()
+        run_block(block, hidden, rope, batch_size, out=hidden)
         for name in LINEARS:
             sums[f"model.layers.{i}.{name}"] = acc[SAME_INPUT.get(name, name)].cpu().numpy()
-        run_block(block, hidden, rope, batch_size, out=hidden)
     return sums
 
 
@@ -182,11 +188,7 @@ def _round_codes(path: Path, reader: SafetensorsReader, args: ModelArgs, arch, t
     info = read_gguf_info(path)
     tensors = {t.name: t for t in info.tensors}
     gguf_reader = GGUFTensorReader(info)
-    hidden = _embed(reader, tokens, device)
-    n = tokens.shape[1]
-    rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)
-    block = empty_block(args, device)
-    state = block.state_dict()
+    hidden, rope, block, state = _first_layer_inputs(reader, args, tokens, device)
     heads = {"self_attn.q_proj": args.num_attention_heads, "self_attn.k_proj": args.num_key_value_heads}
     n_rounded, kept = 0, []
     bar = tqdm(range(args.num_hidden_layers), desc="GPTQ codes", unit="layer", disable=not progress)
