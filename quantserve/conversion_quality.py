@@ -107,6 +107,8 @@ def conversion_quality(
             r = kl_divergence(src, out, text, n_ctx=n_ctx, threads=threads, backend="torch")
         except (ConfigError, UnsupportedFormatError) as exc:  # e.g. a layer shape no Marlin layout fits
             log.info("the torch backend cannot score %s (%s); llama.cpp scores it", out, exc.message)
+        except RuntimeError as exc:  # torch's own failures, out of memory included: llama.cpp needs less
+            log.info("the torch backend failed to score %s (%s); llama.cpp scores it", out, exc)
     elif backend == "torch":
         r = kl_divergence(src, out, text, n_ctx=n_ctx, threads=threads, backend="torch")
     if r is None:
@@ -114,7 +116,7 @@ def conversion_quality(
         try:
             a, handle = gguf_of(src, use_cache=use_cache)
             keep.append(handle)
-            b, handle = gguf_of(out, use_cache=use_cache)
+            b, handle = gguf_of(out, use_cache=False)  # the cache is for sources a later run may read again
             keep.append(handle)
             r = kl_divergence(a, b, text, n_ctx=n_ctx, threads=threads)
         finally:

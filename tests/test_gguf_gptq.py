@@ -131,3 +131,5 @@ def test_calibrated_gguf_errors(smollm2_gguf: Path, smollm2_hf: Path, tmp_path: 
     assert "f16 has nothing to round" in run("--src", str(smollm2_hf), "--quant", "f16", "--calib", "builtin")
     assert "keeps the file type's own bits" in run("--src", str(smollm2_hf), "--quant", "q4_k_m", "--calib",
                                                    "builtin", "--bits", "8")  # fmt: skip
+    assert "--act-order static" in run("--src", str(smollm2_hf), "--quant", "q4_k_m", "--calib", "builtin",
+                                       "--act-order", "group")  # fmt: skip

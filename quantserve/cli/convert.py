@@ -175,6 +175,8 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
                     f"wrote {files.mmproj} ({_size(files.mmproj)}): the vision projector (mmproj)"
                 )
             elif calib or calib_dataset:
+                _fail_if(act_order == "group", "--act-order group forms GPTQ groups; a GGUF's blocks are fixed "
+                         "by its type, so --calib takes --act-order static (the default) or off")  # fmt: skip
                 _fail_if(bits_budget or sym is not None or bits != "4" or group_size != 128,
                          "--calib with a GGUF --quant keeps the file type's own bits, groups and mix; drop "
                          "--bits, --group-size, --sym/--asym and --bits-budget")  # fmt: skip
@@ -198,8 +200,14 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
             click.echo(_check(src, out, check_text, threads))
         except QuantserveError as exc:
             fail(exc)
-    elif summary and quant:
+    elif summary and quant and not _is_float(quant):  # a float output loses nothing to report
         click.echo(_summary(src, out, threads))
+
+
+def _is_float(quant: str) -> bool:
+    from quantserve.gguf.quant_types import parse_quant
+
+    return quant not in QUANT_METHODS and parse_quant(quant).name in ("f32", "f16", "bf16")
 
 
 def _fail_if(cond: object, message: str) -> None:
@@ -314,6 +322,8 @@ def _summary(src: Path, out: Path, threads: int | None) -> str:
         q = conversion_quality(src, out, threads=threads or 0)
     except QuantserveError as exc:
         return f"quality: not measured ({exc.message}); --no-summary skips it"
+    except (RuntimeError, MemoryError) as exc:  # the output is written and sound; only scoring it failed
+        return f"quality: not measured ({type(exc).__name__}: {exc}); --no-summary skips it"
     return (
         f"quality: {q.size_bytes / 2**20:.1f} MiB, {q.bits_per_weight:.2f} bits/weight, PPL {q.ppl_source:.3f} -> "
         f"{q.ppl_output:.3f} ({100 * (q.ppl_output / q.ppl_source - 1):+.2f} %), mean KL {q.mean_kl:.4g} against "
