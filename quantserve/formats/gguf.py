@@ -15,7 +15,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
 from quantserve.errors import ModelFileError, ModelNotFoundError, UnsupportedFormatError
-from quantserve.formats.gguf_hparams import check_hparams
+from quantserve.formats.gguf_hparams import check_hparams, check_tensor_types, check_vocab
 from quantserve.formats.spec import GGUFInfo, GGUFTensorInfo
 
 GGUF_MAGIC = b"GGUF"
@@ -302,6 +302,8 @@ def parse_gguf_bytes(
         prev = name
     info = tuple(tensors)
     check_hparams(str(path), metadata, [t.name for t in info])
+    check_vocab(str(path), metadata)
+    check_tensor_types(str(path), info)
     return GGUFInfo(
         path, version, file_size, alignment, data_offset, metadata, info, _file_type_name(metadata, info)
     )

@@ -1,11 +1,15 @@
-"""Sanity checks on a GGUF's architecture hyper-parameters, for values that make llama.cpp abort, not fail.
+"""Sanity checks on a GGUF's architecture hyper-parameters, vocabulary and tensor types, for values that make
+llama.cpp abort, not fail.
 
-Found by fuzzing the real model: `{arch}.block_count` of 0 or above llama.cpp's LLAMA_MAX_LAYERS trips a
-GGML_ASSERT (SIGABRT) during loading, where other bad values get a clean load error from llama.cpp itself.
+Found by fuzzing the real model (bench/gguf_fuzz.py, tests/gguf_mutants.py): each of these trips a GGML_ASSERT or
+an uncaught C++ exception (SIGABRT) during loading or at the first decode, where other bad values get a clean load
+error from llama.cpp itself. What is left to llama.cpp (per-layer shapes against per-layer head counts, norm
+weights in types a backend cannot multiply by) the server's probe contains (quantserve.backends.llamacpp.probe).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +20,24 @@ LLAMA_MAX_LAYERS = 512  # llama.cpp src/llama-hparams.h
 LLAMA_MAX_EXPERTS = 512  # llama.cpp src/llama-hparams.h
 _POSITIVE = ("embedding_length", "attention.head_count", "attention.head_count_kv", "context_length")
 _BLK = re.compile(r"^blk\.(\d+)\.")
+_EPSILONS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")
+ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp src/llama-model.cpp's names
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: what a norm weight or a bias may be stored as
+
+
+def _count(value: Any) -> int | None:
+    """A scalar count, or the largest of a per-layer array of them (llama.cpp reads both)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return max(value)
+    return None
 
 
 def check_hparams(name: str, metadata: Mapping[str, Any], tensor_names: Sequence[str]) -> None:
@@ -47,9 +69,72 @@ def check_hparams(name: str, metadata: Mapping[str, Any], tensor_names: Sequence
         value = metadata.get(f"{arch}.{key}")
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise bad(f"{arch}.{key}", value, "must be at least 1")
-    n_expert = metadata.get(f"{arch}.expert_count")
-    if isinstance(n_expert, int) and not 0 <= n_expert <= LLAMA_MAX_EXPERTS:
+    for key in _EPSILONS:
+        eps = metadata.get(f"{arch}.{key}")
+        if isinstance(eps, float) and not (math.isfinite(eps) and eps >= 0):
+            raise bad(f"{arch}.{key}", eps, "must be a finite number >= 0")
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling not in ROPE_SCALING_TYPES:
+        raise bad(f"{arch}.rope.scaling.type", scaling, f"is none of {', '.join(ROPE_SCALING_TYPES)}")
+    nextn = _count(metadata.get(f"{arch}.nextn_predict_layers"))
+    if nextn is not None and n_layer is not None and not 0 <= nextn <= n_layer:
+        raise bad(f"{arch}.nextn_predict_layers", nextn, f"is outside 0..block_count ({n_layer})")
+    _check_experts(arch, metadata, bad)
+
+
+def _check_experts(arch: str, metadata: Mapping[str, Any], bad) -> None:
+    """llama-model.cpp's asserts on mixture-of-experts counts: used <= count, used >= 1 when there are experts,
+    no expert groups without experts, and groups that divide the experts."""
+    n_expert = _count(metadata.get(f"{arch}.expert_count")) or 0
+    if not 0 <= n_expert <= LLAMA_MAX_EXPERTS:
         raise bad(f"{arch}.expert_count", n_expert, f"is outside 0..{LLAMA_MAX_EXPERTS}")
-    n_used = metadata.get(f"{arch}.expert_used_count")
-    if isinstance(n_used, int) and isinstance(n_expert, int) and n_used > n_expert:
+    n_used = _count(metadata.get(f"{arch}.expert_used_count"))
+    if n_used is not None and n_used > n_expert:
         raise bad(f"{arch}.expert_used_count", n_used, f"exceeds expert_count {n_expert}")
+    groups = _count(metadata.get(f"{arch}.expert_group_count")) or 0
+    if n_expert == 0:
+        if groups:
+            raise bad(f"{arch}.expert_group_count", groups, "is set but the model has no experts")
+        return
+    if n_used is None or n_used < 1:
+        raise bad(f"{arch}.expert_used_count", n_used, f"must be at least 1 with expert_count {n_expert}")
+    if groups >= n_expert:
+        raise bad(f"{arch}.expert_group_count", groups, f"must be below expert_count {n_expert}")
+    if groups > 1:
+        used_groups = _count(metadata.get(f"{arch}.expert_group_used_count")) or 0
+        if n_expert % groups or not 0 < used_groups < groups:
+            raise bad(
+                f"{arch}.expert_group_count", groups,
+                f"must divide expert_count {n_expert}, with 0 < expert_group_used_count ({used_groups}) < it",
+            )  # fmt: skip
+
+
+def check_vocab(name: str, metadata: Mapping[str, Any]) -> None:
+    """A SentencePiece ("llama") vocabulary must hold the 256 byte tokens <0x00>..<0xFF>: llama.cpp falls back to
+    them for any character outside the vocabulary and aborts (an uncaught std::out_of_range) when one is missing,
+    on a request rather than at load."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if metadata.get("tokenizer.ggml.model") != "llama" or not isinstance(tokens, list):
+        return
+    have = set(tokens)
+    missing = [b for b in range(256) if f"<0x{b:02X}>" not in have]
+    if missing:
+        raise ModelFileError(
+            f"{name}: tokenizer.ggml.model is 'llama' (SentencePiece) but the vocabulary lacks {len(missing)} of the "
+            f"256 byte tokens (first <0x{missing[0]:02X}>); llama.cpp would abort on the first character outside "
+            "the vocabulary. The file is corrupt or was written by a broken converter — convert or download it again"
+        )
+
+
+def check_tensor_types(name: str, tensors: Sequence[Any]) -> None:
+    """1-D tensors (norm weights, biases) in a float type: llama.cpp's tools write them as F32 and quantize only
+    matrices, and llama.cpp loads an integer or block-quantized one only to abort at the first decode, when no
+    kernel multiplies by it. (F16 and BF16 pass: some backends take them; where the CPU backend does not, the
+    server's probe contains the abort.)"""
+    for t in tensors:
+        if len(t.shape) == 1 and t.ggml_type not in _FLOAT_TYPES:
+            raise ModelFileError(
+                f"{name}: tensor '{t.name}' is 1-D but {t.type_name}; llama.cpp cannot compute with that (it would "
+                "abort at the first request): norm weights and biases are F32. The file is corrupt or was written "
+                "by a broken converter — convert or download it again"
+            )
