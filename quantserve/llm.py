@@ -137,6 +137,10 @@ class LLM:
     def takes_images(self) -> bool:
         return self.vision is not None
 
+    @property
+    def can_embed(self) -> bool:
+        return hasattr(self._runner, "embed")
+
     def prepare_chat(
         self, request: ChatRequest, images: Seq[Image] = ()
     ) -> tuple[ChatPrompt, list[int], list[ImageSpan]]:
@@ -263,7 +267,7 @@ class LLM:
         return EngineStats(e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached)
 
     async def embed(self, tokens: list[int]) -> list[float]:
-        if not hasattr(self._runner, "embed"):
+        if not self.can_embed:
             raise EmbeddingsUnsupportedError(f"model {self.name!r} cannot produce embeddings", param="input")
         if len(tokens) > self.n_ctx:
             raise ContextLengthExceededError(

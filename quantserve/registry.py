@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from quantserve.errors import ConfigError, ModelNotFoundError
 
@@ -37,6 +37,36 @@ class ModelEntry(BaseModel):
     mmproj: str | None = None
     aliases: list[str] = []
     sampling: dict[str, Any] = {}
+    # router mode (`quantserve run` with no model): never unload it, and load it at startup
+    pin: bool = False
+    # router mode: unload it after this long idle (seconds, or "30s", "5m", "1h"; "never"); None: --keep-alive
+    keep_alive: str | float | None = None
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, v: str | float | None) -> str | float | None:
+        if v is not None:
+            parse_duration(v, "keep_alive")
+        return v
+
+
+def parse_duration(value: str | float, what: str) -> float | None:
+    """Seconds from 300, "300", "30s", "5m" or "1h"; None for "never" or a negative number.
+
+    Raises:
+        ValueError: anything else, naming `what`.
+    """
+    text = str(value).strip().lower()
+    if text == "never":
+        return None
+    scale = {"s": 1, "m": 60, "h": 3600}.get(text[-1:])
+    try:
+        seconds = float(text[:-1] if scale else text) * (scale or 1)
+    except ValueError:
+        raise ValueError(
+            f"{what} {value!r} is not a duration; write e.g. 300, 30s, 5m, 1h or never".lstrip()
+        ) from None
+    return None if seconds < 0 else seconds
 
 
 @dataclass(frozen=True)

@@ -191,8 +191,8 @@ def _idle_on_server(base_url: str, timeout: float = 10) -> None:
     while time.monotonic() < deadline:
         m = {}
         for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-            name, _, value = line.partition(" ")
-            m[name] = value
+            name, _, value = line.rpartition(" ")
+            m[name.partition("{")[0]] = value  # one model: its series only
         if (
             float(m["quantserve_running_sequences"]) == 0
             and m["quantserve_kv_cells_used"] == m["quantserve_kv_cells_cached"]

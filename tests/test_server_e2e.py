@@ -256,6 +256,8 @@ def test_health_ready_metrics(server, client):
     ):
         assert name in text
     assert 'quantserve_requests_total{route="/v1/chat/completions",status="200"}' in text
+    assert 'quantserve_completion_tokens_total{model="smollm2"}' in text  # per-model series
+    assert 'quantserve_model_ready{model="smollm2"} 1.0' in text
 
 
 def test_a_plain_request_with_the_default_sampling_ends_by_itself(client):

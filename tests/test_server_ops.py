@@ -20,9 +20,10 @@ LONG = {
 
 
 def _metric(base_url: str, name: str) -> float:
+    """The served model's value (the per-model series carry a model label)."""
     for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith((name + " ", name + "{")):
+            return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
 
 

@@ -9,7 +9,7 @@ import typing
 import click
 
 from quantserve.cli.common import fail, setup_logging
-from quantserve.errors import QuantserveError
+from quantserve.errors import ConfigError, QuantserveError
 
 
 def _settings_options(func):
@@ -41,19 +41,29 @@ def _settings_options(func):
 @click.argument("model", required=False)
 @_settings_options
 def run(model: str | None, **options) -> None:
-    """Serve MODEL (a models.toml name, a path or a hub id; default: models.toml's default) on an
-    OpenAI-compatible HTTP API.
+    """Serve MODEL (a models.toml name, a path or a hub id) on an OpenAI-compatible HTTP API, with a chat page
+    at /. Without MODEL (or with --models), router mode: every models.toml entry (or those named) is served, each
+    loaded on its first request; --models-max and --memory-budget unload the least recently used.
 
     \b
     Examples:
-      quantserve run                       # the default model (SmolLM2-135M-Instruct)
+      quantserve run smollm2                        # one model, loaded at startup
       quantserve run path/to/model.gguf --ctx-size 4096 --max-num-seqs 4
       quantserve run smollm2 --port 8080 --api-key secret
+      quantserve run                                # router mode: all of models.toml
+      quantserve run --models smollm2,coder --models-max 1 --keep-alive 10m
     """
+    from pydantic import ValidationError
+
     from quantserve.server.serve import serve
     from quantserve.server.settings import ServerSettings
 
-    settings = ServerSettings(model=model, **{k: v for k, v in options.items() if v is not None})
+    try:
+        settings = ServerSettings(model=model, **{k: v for k, v in options.items() if v is not None})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        fail(ConfigError(f"{flag}: {err['msg'].removeprefix('Value error, ')}"))
     setup_logging(settings.log_level)
     try:
         code = serve(settings)

@@ -18,6 +18,7 @@ class LlamaCppSettings:
     flash_attn: str = "auto"  # auto (llama.cpp decides), on, off
     use_mmap: bool = True
     mmproj: str | None = None  # a LLaVA GGUF's vision projector (None: an mmproj GGUF found beside the model)
+    probe: bool = False  # load and run each GGUF in a child process first, so a C abort cannot kill this one
 
 
 @dataclass(frozen=True)

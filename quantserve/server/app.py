@@ -3,10 +3,9 @@ page at /."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
-import threading
-import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib.resources import files
@@ -15,13 +14,21 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
 
 from quantserve import __version__
-from quantserve.errors import EmbeddingsUnsupportedError, InvalidRequestError, QuantserveError
+from quantserve.errors import EmbeddingsUnsupportedError, InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.anthropic import routes as anthropic_routes
+from quantserve.server.catalog import build_router, model_card, slot_card
 from quantserve.server.errors import error_response, install_error_handlers
-from quantserve.server.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
+from quantserve.server.metrics import Metrics
+from quantserve.server.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    LeaseMiddleware,
+    RequestMetricsMiddleware,
+)
 from quantserve.server.openai import routes as openai_routes
 from quantserve.server.openai.protocol import EmbeddingRequest
 from quantserve.server.responses import routes as responses_routes
@@ -49,49 +56,32 @@ def _static(name: str) -> Response:
     return Response(body, media_type=_STATIC[name], headers=headers)
 
 
+class ModelAction(BaseModel):
+    """The body of POST /models/load and /models/unload."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+
+
 def create_app(
     settings: ServerSettings, *, llm: LLM | None = None, on_load_error: Callable[[], None] | None = None
 ) -> FastAPI:
-    """Build the app. Without `llm`, the model named in settings loads in the background at startup, and the API
-    answers 503 until it is ready (GET /ready says when)."""
-    state = ServerState(media=settings.media_policy())
+    """Build the app. With `llm`, it serves that model. Else, single-model (settings.model): the model loads in
+    the background at startup and the API answers 503 until it is ready (GET /ready says when); router mode
+    (no model, or --models): models.toml's entries, each loaded on its first request (quantserve.server.router).
 
-    def load() -> None:
-        try:
-            resolved, engine_settings = settings.resolve_model()
-            t = time.perf_counter()
-            loaded = LLM.load(resolved, engine_settings)
-            names = {loaded.name, resolved.name, resolved.path.name, *resolved.entry.aliases}
-            state.model_names = frozenset(names)
-            state.llm = loaded
-            state.metrics.ready.set(1)
-            log.info(
-                "model %s ready in %.1fs: n_ctx %d, %d sequences",
-                loaded.name,
-                time.perf_counter() - t,
-                loaded.n_ctx,
-                engine_settings.max_num_seqs,
-            )
-        except QuantserveError as exc:
-            state.load_error = exc
-            log.error("could not load the model: %s", exc.message)
-        except Exception as exc:  # a bug, not a user error; keep the message for /ready
-            state.load_error = QuantserveError(f"{type(exc).__name__}: {exc}")
-            log.exception("could not load the model")
-        if state.load_error is not None and on_load_error is not None:
-            on_load_error()
+    Raises:
+        ConfigError: router mode with --models naming no entry, or nothing to serve.
+    """
+    metrics = Metrics()
+    router = build_router(settings, metrics, llm=llm, on_load_error=on_load_error)
+    state = ServerState(router, metrics, media=settings.media_policy())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if llm is not None:
-            state.llm = llm
-            state.model_names = frozenset({llm.name})
-            state.metrics.ready.set(1)
-        else:
-            threading.Thread(target=load, name="quantserve-load", daemon=True).start()
+        router.start()
         yield
-        if state.llm is not None:
-            state.llm.close()
+        await asyncio.to_thread(router.close)
 
     app = FastAPI(title="quantserve", version=__version__, lifespan=lifespan)
     app.state.qs = state
@@ -118,12 +108,15 @@ def create_app(
     @app.get("/ready")
     @app.get("/readyz")
     async def ready():
-        if state.llm is not None:
-            return {"status": "ready", "model": state.llm.name}
-        if state.load_error is not None:
+        if not router.single:  # the router is up; each model's own state is in /v1/models
+            return {"status": "ready", "models": {s.name: s.status for s in router.slots.values()}}
+        slot = next(iter(router.slots.values()))
+        if slot.llm is not None:
+            return {"status": "ready", "model": slot.llm.name}
+        if slot.error is not None:
             return error_response(
                 503,
-                f"the model failed to load: {state.load_error.message}",
+                f"the model failed to load: {slot.error.message}",
                 "server_error",
                 code="model_load_failed",
             )
@@ -132,47 +125,46 @@ def create_app(
         )
 
     @app.get("/metrics")
-    async def metrics():
-        if state.llm is not None:
-            stats = state.llm.stats()
-            state.metrics.queue_depth.set(stats.waiting)
-            state.metrics.running.set(stats.running)
-            state.metrics.kv_cells_used.set(stats.kv_cells_used)
-            state.metrics.kv_cells_cached.set(stats.kv_cells_cached)
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    def model_card(llm_: LLM) -> dict:
-        info = llm_.info
-        return {
-            "id": llm_.name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "quantserve",
-            "context_length": llm_.n_ctx,
-            "max_model_len": llm_.n_ctx,
-            "meta": {
-                "architecture": info.architecture,
-                "n_params": info.n_params,
-                "format": info.format,
-                "backend": info.backend,
-                "has_chat_template": llm_.chat_template is not None,
-                "tool_format": llm_.tool_format,  # how its template writes tool calls (hermes, llama3, …)
-                "input_modalities": ["text", "image"] if llm_.takes_images else ["text"],
-            },
-        }
+    async def metrics_page():
+        for name, llm_ in router.loaded():
+            stats = llm_.stats()
+            metrics.queue_depth.labels(name).set(stats.waiting)
+            metrics.running.labels(name).set(stats.running)
+            metrics.kv_cells_used.labels(name).set(stats.kv_cells_used)
+            metrics.kv_cells_cached.labels(name).set(stats.kv_cells_cached)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models():
-        llm_ = state.require_model(None)
-        return {"object": "list", "data": [model_card(llm_)]}
+        if router.single:
+            return {"object": "list", "data": [model_card(router.single_llm())]}
+        return {"object": "list", "data": [slot_card(s) for s in router.slots.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        return model_card(state.require_model(model_id))
+        slot = router.find(model_id)
+        return model_card(router.single_llm()) if router.single else slot_card(slot)
+
+    @app.post("/models/load")
+    async def load_model(body: ModelAction, request: Request):
+        """Admin: load a model now (router mode), waiting until it is ready."""
+        leases: list = []
+        await router.acquire(leases, body.model)
+        router.release(leases)
+        return slot_card(router.find(body.model))
+
+    @app.post("/models/unload")
+    async def unload_model(body: ModelAction):
+        """Admin: unload a model once its requests in flight have finished."""
+        if router.single:
+            raise InvalidRequestError(
+                "this server serves one model; unloading is for router mode", param="model"
+            )
+        return slot_card(await router.unload(body.model))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
-        llm_ = state.require_model(body.model)
+        llm_ = await state.acquire(request, body.model)
         if body.dimensions is not None:
             raise EmbeddingsUnsupportedError(
                 "'dimensions' is not supported by this model", param="dimensions"
@@ -200,7 +192,8 @@ def create_app(
             "usage": {"prompt_tokens": n, "total_tokens": n},
         }
 
-    # Outermost first: metrics see every status, the key check runs before bodies are read.
+    # Outermost first: metrics see every status, the key check runs before bodies are read, leases end last.
+    app.add_middleware(LeaseMiddleware, router=router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

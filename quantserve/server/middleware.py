@@ -1,5 +1,5 @@
 """Pure ASGI middlewares (no BaseHTTPMiddleware, so disconnects still reach handlers): body limit, API key,
-request metrics."""
+request metrics, model leases."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import hmac
 
 from quantserve.server.errors import error_bytes
 from quantserve.server.metrics import Metrics
+
+LEASES = "quantserve.leases"  # the scope key of a request's list of model leases
 
 _ROUTES = frozenset(
     {
@@ -19,6 +21,8 @@ _ROUTES = frozenset(
         "/v1/models",
         "/health",
         "/ready",
+        "/models/load",
+        "/models/unload",
     }
 )
 # Probes (both spellings) and docs; "/" and /static/*: the chat page, which asks for the key itself.
@@ -120,3 +124,21 @@ class RequestMetricsMiddleware:
         finally:
             route = scope["path"] if scope["path"] in _ROUTES else "other"  # bounded label values
             self.metrics.requests.labels(route, str(status)).inc()
+
+
+class LeaseMiddleware:
+    """Gives back the model leases a request took (ServerState.acquire) once its response has been sent, a
+    stream's last byte included, or the request failed or its client left: a model never unloads under a request
+    in flight, and never stays held by one that is over."""
+
+    def __init__(self, app, router):
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        leases = scope[LEASES] = []
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.router.release(leases)

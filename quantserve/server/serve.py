@@ -15,21 +15,31 @@ log = logging.getLogger("quantserve")
 
 def serve(settings: ServerSettings) -> int:
     """Blocks until SIGINT/SIGTERM. On a signal the server stops accepting connections, lets in-flight requests
-    finish for up to `graceful_timeout` seconds, cancels the rest, and returns 0. A model that fails to load
-    stops the server with exit code 2.
+    finish for up to `graceful_timeout` seconds, cancels the rest, and returns 0. In single-model mode a model that
+    fails to load stops the server with exit code 2; in router mode it answers 503 and the server goes on.
 
     Raises:
         QuantserveError: the model cannot be found or its file is invalid (checked before listening).
     """
+    from quantserve.errors import ConfigError
     from quantserve.formats import detect, read_gguf_info
     from quantserve.server.app import create_app
 
-    resolved, _ = settings.resolve_model()
-    spec = detect(resolved.path)
-    if spec.format == "gguf":
-        for part in spec.files:
-            read_gguf_info(part)  # refuses malformed files before llama.cpp ever opens them
-    log.info("quantserve %s: model %s -> %s (%s)", __version__, resolved.name, resolved.path, spec.format)
+    if settings.router_mode:
+        if settings.model is not None:
+            raise ConfigError(
+                f"give a MODEL ({settings.model}) or --models ({settings.models}), not both", param="models"
+            )
+        log.info(
+            "quantserve %s: router mode, models from %s", __version__, settings.models_file or "models.toml"
+        )
+    else:
+        resolved, _ = settings.resolve_model()
+        spec = detect(resolved.path)
+        if spec.format == "gguf":
+            for part in spec.files:
+                read_gguf_info(part)  # refuses malformed files before llama.cpp ever opens them
+        log.info("quantserve %s: model %s -> %s (%s)", __version__, resolved.name, resolved.path, spec.format)
 
     exit_code = 0
     server: uvicorn.Server | None = None
@@ -40,7 +50,7 @@ def serve(settings: ServerSettings) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_load_error=on_load_error)
+    app = create_app(settings, on_load_error=None if settings.router_mode else on_load_error)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -51,9 +61,14 @@ def serve(settings: ServerSettings) -> int:
     )
     server = uvicorn.Server(config)
     log.info(
-        "OpenAI-compatible API on http://%s:%d/v1 (GET /ready turns 200 once the model is loaded)",
+        "OpenAI-compatible API on http://%s:%d/v1, chat page on http://%s:%d/ (%s)",
         settings.host,
         settings.port,
+        settings.host,
+        settings.port,
+        "models load on their first request; GET /v1/models lists them"
+        if settings.router_mode
+        else "GET /ready turns 200 once the model is loaded",
     )
     # uvicorn restores the handlers it found and then re-raises the signal it caught, which would kill us with
     # -SIGTERM after a clean shutdown. Handlers that ignore it make a graceful stop exit with our own code (0).

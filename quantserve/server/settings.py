@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantserve.core.settings import EngineSettings
-from quantserve.registry import ResolvedModel, find_models_toml, load_registry, resolve
+from quantserve.registry import ResolvedModel, find_models_toml, load_registry, parse_duration, resolve
+from quantserve.server.memory import parse_size
 from quantserve.vision.fetch import MediaPolicy
 from quantserve.vision.images import ImageLimits
 
@@ -17,6 +18,27 @@ class ServerSettings(BaseModel):
 
     model: str | None = Field(default=None, description="models.toml name or alias, a path, or a hub id")
     models_file: str | None = Field(default=None, description="models.toml to use (default: ./models.toml)")
+    models: str | None = Field(
+        default=None,
+        description="router mode: serve these models.toml entries ('all', or names separated by commas), each "
+        "loaded on its first request. The default when no MODEL is given",
+    )
+    models_max: int = Field(
+        default=0,
+        ge=0,
+        description="router mode: models loaded at once; the least recently used unloads (0: no cap)",
+    )
+    memory_budget: str | None = Field(
+        default=None,
+        description="router mode: memory the loaded models may take together, weights plus KV, e.g. 16G; the "
+        "least recently used unload to stay under it (a model also unloads others when it would not fit in the "
+        "memory free now)",
+    )
+    keep_alive: str | None = Field(
+        default=None,
+        description="router mode: unload a model idle this long (e.g. 300, 5m, 1h; models.toml's keep_alive "
+        "wins; default: never)",
+    )
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -104,15 +126,41 @@ class ServerSettings(BaseModel):
             allow_urls=self.image_urls, allowed_domains=domains, timeout=self.image_timeout, limits=limits
         )
 
+    @field_validator("memory_budget")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_size(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not a size; write e.g. 16G or 512M") from None
+        return v
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration(v, "")
+        return v
+
+    @property
+    def router_mode(self) -> bool:
+        """Several models from models.toml, each loaded on demand: no MODEL given, or --models."""
+        return self.model is None or self.models is not None
+
+    def engine_settings(self) -> EngineSettings:
+        options = self.model_dump(exclude=SERVER_ONLY)
+        return EngineSettings.from_options(**options, use_cache=not self.no_cache)
+
     def resolve_model(self) -> tuple[ResolvedModel, EngineSettings]:
         resolved = resolve(self.model, load_registry(find_models_toml(self.models_file)))
-        options = self.model_dump(exclude=SERVER_ONLY)
-        return resolved, EngineSettings.from_options(**options, use_cache=not self.no_cache)
+        return resolved, self.engine_settings()
 
 
 # Fields the HTTP server reads itself; every other field is an engine setting, passed on by name.
 SERVER_ONLY = {
-    "model", "models_file", "host", "port", "api_key", "no_cache", "responses_store_size", "max_body_bytes",
+    "model", "models_file", "models", "models_max", "memory_budget", "keep_alive",
+    "host", "port", "api_key", "no_cache", "responses_store_size", "max_body_bytes",
     "graceful_timeout", "log_level", "max_image_bytes", "max_images", "max_image_pixels",
     "image_urls", "allowed_media_domains",
     "image_timeout",

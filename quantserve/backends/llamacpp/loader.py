@@ -26,7 +26,7 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
     return detect(dense), tmp
 
 
-def _projector(gguf: Path, given: str | None) -> Path | None:
+def projector(gguf: Path, given: str | None) -> Path | None:
     """The vision projector to load with `gguf`: the one given (checked), else one found beside it, else None.
 
     Raises:
@@ -94,7 +94,11 @@ def load_llamacpp(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
         info.architecture,
         spec.quant.get("file_type", "?"),
     )
-    mmproj = _projector(gguf_path, settings.llamacpp.mmproj)
+    mmproj = projector(gguf_path, settings.llamacpp.mmproj)
+    if settings.llamacpp.probe:
+        from quantserve.backends.llamacpp.probe import PROBES
+
+        PROBES.check(gguf_path, mmproj)
     runner = LlamaCppRunner(gguf_path, settings, n_ctx_train=info.context_length, mmproj=mmproj)
     return LoadedModel(
         runner=runner,

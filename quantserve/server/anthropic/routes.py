@@ -138,7 +138,7 @@ class _Blocks:
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     state: ServerState = request.app.state.qs
-    llm = state.require_model(body.model)
+    llm = await state.acquire(request, body.model)
     t0 = time.perf_counter()
     prompt, tokens, images = llm.prepare_chat(*await _chat_request(body, llm, state))
     params = llm.sampling_params(
@@ -160,9 +160,9 @@ async def messages(body: MessagesRequest, request: Request):
             start = {**base, "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(c)}
             yield sse({"type": "message_start", "message": start}, event="message_start")
             yield sse({"type": "ping"}, event="ping")
-            async for chunk in stream_reply(gens, c, _Blocks(), lambda: state.observe_ttft(t0)):
+            async for chunk in stream_reply(gens, c, _Blocks(), lambda: state.observe_ttft(llm, t0)):
                 yield chunk
-            state.record(choices, [tokens], t0)
+            state.record(llm, choices, [tokens], t0)
             reason, seq = _stop(c)
             delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
             yield sse({**delta, "usage": {"output_tokens": c.num_output_tokens}}, event="message_delta")
@@ -173,9 +173,9 @@ async def messages(body: MessagesRequest, request: Request):
 
         return event_stream(stream(), failed)
 
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    state.record(choices, [tokens], t0)
+    state.record(llm, choices, [tokens], t0)
     reason, seq = _stop(c)
     assert c.reply is not None
     return {
@@ -190,6 +190,6 @@ async def messages(body: MessagesRequest, request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     state: ServerState = request.app.state.qs
-    llm = state.require_model(body.model)
+    llm = await state.acquire(request, body.model)
     _, tokens, _ = llm.prepare_chat(*await _chat_request(body, llm, state))
     return {"input_tokens": len(tokens)}

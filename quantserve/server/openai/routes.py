@@ -124,7 +124,7 @@ def _delta(event) -> dict:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.qs
-    llm = state.require_model(body.model)
+    llm = await state.acquire(request, body.model)
     t0 = time.perf_counter()
     reader = state.reader(llm)
     req = chat_request(body, reader)
@@ -160,7 +160,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             async for i, out in merge(gens):
                 c = choices[i]
                 if first_token:
-                    state.metrics.ttft.observe(time.perf_counter() - t0)
+                    state.observe_ttft(llm, t0)
                     first_token = False
                 events = c.take(out)
                 lp = {"content": _chat_logprobs(llm, out.logprobs)} if out.logprobs else None
@@ -178,16 +178,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                 if c.reply is not None:
                     ch = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.reply.finish_reason}
                     yield sse({**base, "choices": [ch], **extra_fields})
-            state.record(choices, [tokens], t0)
+            state.record(llm, choices, [tokens], t0)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(choices, [tokens])})
             yield b"data: [DONE]\n\n"
 
         return event_stream(stream(), _openai_error)
 
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    state.record(choices, [tokens], t0)
+    state.record(llm, choices, [tokens], t0)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -240,7 +240,7 @@ def _completion_logprobs(llm: LLM, lps, offset: int) -> dict:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.qs
-    llm = state.require_model(body.model)
+    llm = await state.acquire(request, body.model)
     if body.suffix:
         raise InvalidRequestError("'suffix' (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of not in (None, body.n):
@@ -279,7 +279,7 @@ async def completions(body: CompletionRequest, request: Request):
             offsets = {c.index: 0 for c in choices}
             async for i, out in merge(gens):
                 if first:
-                    state.metrics.ttft.observe(time.perf_counter() - t0)
+                    state.observe_ttft(llm, t0)
                     first = False
                 choices[i].num_output_tokens = out.num_output_tokens
                 lp = _completion_logprobs(llm, out.logprobs, offsets[i]) if out.logprobs else None
@@ -287,16 +287,16 @@ async def completions(body: CompletionRequest, request: Request):
                 if out.text or lp or out.finish_reason:
                     ch = {"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
                     yield sse({**base, "choices": [ch], **extra_fields})
-            state.record(choices, prompts, t0)
+            state.record(llm, choices, prompts, t0)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": usage(choices, prompts)})
             yield b"data: [DONE]\n\n"
 
         return event_stream(stream(), _openai_error)
 
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    state.record(choices, prompts, t0)
+    state.record(llm, choices, prompts, t0)
     return {
         **{k: v for k, v in base.items() if k != "object"},
         "object": "text_completion",

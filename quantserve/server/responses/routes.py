@@ -142,7 +142,7 @@ class _Events:
 async def create_response(body: ResponsesRequest, request: Request):
     state: ServerState = request.app.state.qs
     store: ResponseStore = request.app.state.responses
-    llm = state.require_model(body.model)
+    llm = await state.acquire(request, body.model)
     t0 = time.perf_counter()
     history: list[dict[str, Any]] = []
     history_images: tuple[Image, ...] = ()
@@ -201,7 +201,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     }
 
     def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
-        state.record(choices, [tokens], t0)
+        state.record(llm, choices, [tokens], t0)
         if body.store:
             store.put(rid, StoredResponse(response, tuple(messages + messages_of(output)), tuple(images)))
 
@@ -211,7 +211,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         async def stream():
             yield events.ev("response.created", response=base)
             yield events.ev("response.in_progress", response=base)
-            async for chunk in stream_reply(gens, c, events, lambda: state.observe_ttft(t0)):
+            async for chunk in stream_reply(gens, c, events, lambda: state.observe_ttft(llm, t0)):
                 yield chunk
             done = _finished(base, c, events.items)
             keep(done, events.items)
@@ -224,7 +224,7 @@ async def create_response(body: ResponsesRequest, request: Request):
 
         return event_stream(stream(), failed)
 
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(t0))):
+    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
         return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
     reply: Reply = c.reply  # type: ignore[assignment]
     output = output_items(reply)

@@ -1,0 +1,202 @@
+"""The models a server's settings ask for, as router slots: one MODEL, or models.toml's entries (router mode),
+each with what is known before it loads (context length, backend, inputs, memory estimate)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import replace
+
+from quantserve.core.settings import EngineSettings
+from quantserve.errors import ConfigError, QuantserveError
+from quantserve.llm import LLM
+from quantserve.registry import ResolvedModel, find_models_toml, load_registry, parse_duration, resolve
+from quantserve.server import memory
+from quantserve.server.metrics import Metrics
+from quantserve.server.router import ModelRouter, Slot
+from quantserve.server.settings import ServerSettings
+
+log = logging.getLogger("quantserve.server")
+
+
+def _names(resolved: ResolvedModel) -> frozenset[str]:
+    return frozenset(n.lower() for n in (resolved.name, resolved.path.name, *resolved.entry.aliases))
+
+
+def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int]:
+    """What /v1/models says of a model before it is loaded, and its memory estimate in bytes; from headers and
+    configs only (nothing is loaded or converted).
+
+    Raises:
+        QuantserveError: the files are missing or malformed (the slot then answers 503 with it).
+    """
+    from quantserve.backends.select import choose_backend
+    from quantserve.formats import detect, find_mmproj, read_gguf_info
+
+    settings = settings.for_model(resolved.entry)
+    spec = detect(resolved.path)
+    backend, _ = choose_backend(spec, settings.backend, settings.quant)
+    architectures = (spec.config or {}).get("architectures") or []
+    if spec.format == "gguf":
+        vision = resolved.mmproj is not None or find_mmproj(spec.files[0]) is not None
+    else:
+        vision = any("Llava" in a for a in architectures)
+    if settings.chat_template:
+        chat = True
+    elif spec.format == "gguf":
+        chat = read_gguf_info(spec.files[0]).chat_template is not None
+    else:
+        config = spec.path / "tokenizer_config.json" if spec.path.is_dir() else None
+        chat = (spec.path / "chat_template.jinja").is_file() if spec.path.is_dir() else False
+        chat = chat or bool(config and config.is_file() and "chat_template" in json.loads(config.read_text()))
+    facts = {
+        "context_length": memory.n_ctx(memory.model_shape(spec), settings),
+        "backend": backend,
+        "format": spec.format,
+        "architecture": spec.architecture,
+        "input_modalities": ["text", "image"] if vision else ["text"],
+        "capabilities": ["completion", *(["chat"] if chat else []), *(["vision"] if vision else [])],
+    }
+    return facts, memory.estimate_bytes(spec, settings, backend)
+
+
+def _router_slot(name: str, registry, base: EngineSettings, keep_alive: float | None) -> Slot:
+    entry = registry.entries[name]
+    idle = keep_alive if entry.keep_alive is None else parse_duration(entry.keep_alive, "keep_alive")
+    settings = replace(base, llamacpp=replace(base.llamacpp, probe=True))  # C aborts stay in a child process
+
+    def setup() -> tuple:
+        resolved = resolve(name, registry)
+        return (resolved, *_facts(resolved, settings), _names(resolved))
+
+    def preflight() -> None:
+        """A GGUF that llama.cpp will load as it is: probed now (cached), before any model unloads for it."""
+        from quantserve.backends.llamacpp.loader import projector
+        from quantserve.backends.llamacpp.probe import PROBES
+        from quantserve.formats import detect
+
+        resolved = slot.resolved
+        if slot.facts.get("backend") != "llamacpp" or slot.facts.get("format") != "gguf":
+            return  # other formats are converted first (their GGUF is probed then) or run by torch
+        gguf = detect(resolved.path).files[0]
+        given = settings.llamacpp.mmproj or (str(resolved.mmproj) if resolved.mmproj is not None else None)
+        PROBES.check(gguf, projector(gguf, given))
+
+    slot = Slot(name, None, settings, entry.pin, idle, setup=setup, preflight=preflight)
+    slot.names = frozenset(n.lower() for n in (name, *entry.aliases))
+    try:
+        slot.resolved, slot.facts, slot.estimate, slot.names = setup()
+    except QuantserveError as exc:  # served as a 503 naming this, while the others work; retried at load
+        log.error("model %s cannot be served: %s", name, exc.message)
+        slot.error = exc
+    return slot
+
+
+def build_router(
+    settings: ServerSettings, metrics: Metrics, *, llm: LLM | None = None, on_load_error=None
+) -> ModelRouter:
+    """The router for these settings: one model (MODEL, or `llm` already loaded) or models.toml's entries.
+
+    Raises:
+        ConfigError: --models names an entry models.toml does not have, or there is nothing to serve.
+    """
+    if llm is not None:
+        slot = Slot(llm.name, None, llm.settings, pinned=True, names=frozenset({llm.name.lower()}))
+        slot.llm, slot.status = llm, "loaded"
+        metrics.ready.labels(llm.name).set(1)
+        return ModelRouter([slot], metrics, single=True)
+    base = settings.engine_settings()
+    if not settings.router_mode:
+        try:
+            resolved, _ = settings.resolve_model()
+        except QuantserveError as exc:  # `quantserve run` checks this before listening; an app made in code
+            slot = Slot(settings.model, None, base, pinned=True, error=exc)
+        else:
+            slot = Slot(resolved.name, resolved, base, pinned=True, names=_names(resolved))
+        return ModelRouter([slot], metrics, single=True, on_load_error=on_load_error)
+
+    registry = load_registry(find_models_toml(settings.models_file))
+    where = registry.path or "models.toml"
+    if not registry.entries:
+        raise ConfigError(
+            f"no models to serve: {where} has no [models.*] entries; give a MODEL (a path or hub id)"
+        )
+    wanted = (settings.models or "all").strip()
+    if wanted.lower() == "all":
+        names = registry.names()
+    else:
+        names = []
+        for item in (n.strip() for n in wanted.split(",") if n.strip()):
+            hit = registry.lookup(item)
+            if hit is None:
+                raise ConfigError(
+                    f"--models {item!r}: no such entry in {where} (known: {', '.join(registry.names())})",
+                    param="models",
+                )
+            names.append(hit[0])
+    keep_alive = parse_duration(settings.keep_alive, "--keep-alive") if settings.keep_alive else None
+    slots = [_router_slot(name, registry, base, keep_alive) for name in dict.fromkeys(names)]
+    budget = memory.parse_size(settings.memory_budget) if settings.memory_budget else 0
+    return ModelRouter(
+        slots, metrics, default=registry.default, models_max=settings.models_max, memory_budget=budget
+    )
+
+
+def model_card(llm: LLM) -> dict:
+    """/v1/models' entry for a loaded model: OpenAI's fields, plus what it is and can do."""
+    info = llm.info
+    capabilities = ["completion"]
+    capabilities += ["chat"] if llm.chat_template is not None else []
+    capabilities += ["tools"] if llm.chat_template is not None and llm.tool_format else []
+    capabilities += ["vision"] if llm.takes_images else []
+    capabilities += ["embeddings"] if llm.can_embed else []
+    return {
+        "id": llm.name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "quantserve",
+        "context_length": llm.n_ctx,
+        "max_model_len": llm.n_ctx,
+        "capabilities": capabilities,
+        "meta": {
+            "architecture": info.architecture,
+            "n_params": info.n_params,
+            "format": info.format,
+            "backend": info.backend,
+            "has_chat_template": llm.chat_template is not None,
+            "tool_format": llm.tool_format,  # how its template writes tool calls (hermes, llama3, …)
+            "input_modalities": ["text", "image"] if llm.takes_images else ["text"],
+        },
+    }
+
+
+def slot_card(slot: Slot) -> dict:
+    """/v1/models' entry in router mode: the loaded model's card, or what is known before loading, with its
+    status (loaded, loading, unloading, unloaded), the last load error, and the router's settings for it."""
+    if slot.llm is not None:
+        card = model_card(slot.llm)
+        card["id"] = slot.name
+    else:
+        facts = dict(slot.facts)
+        ctx = facts.pop("context_length", None)
+        card = {
+            "id": slot.name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "quantserve",
+            "context_length": ctx,
+            "max_model_len": ctx,
+            "capabilities": facts.pop("capabilities", []),
+            "meta": facts,
+        }
+    card["status"] = slot.status
+    card["meta"] |= {
+        "pinned": slot.pinned,
+        "keep_alive": slot.keep_alive,
+        "memory_estimate_bytes": slot.estimate,
+        "aliases": sorted(slot.names - {slot.name.lower()}),
+    }
+    if slot.error is not None and slot.llm is None:
+        card["error"] = slot.error.message
+    return card

@@ -1,0 +1,208 @@
+"""ModelRouter's bookkeeping with a stand-in for LLM.load (the real loads are in test_router.py): one load for
+concurrent first requests, LRU order with idle models first, pins, waiting for leases, keep_alive, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from quantserve.core.settings import EngineSettings
+from quantserve.errors import InvalidRequestError, ModelFileError, ModelLoadingError, ModelNotFoundError
+from quantserve.registry import ModelEntry, ResolvedModel
+from quantserve.server.metrics import Metrics
+from quantserve.server.router import ModelRouter, Slot
+
+
+class FakeLLM:
+    def __init__(self, name: str):
+        self.name, self.closed = name, False
+        self.n_ctx, self.settings = 64, EngineSettings()
+        self.info = type("Info", (), {"backend": "fake"})()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """Every LLM.load call's model name; a name starting with "bad" fails, one with "slow" takes 0.3 s."""
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def load(resolved, settings):
+        with lock:
+            calls.append(resolved.name)
+        time.sleep(0.3 if resolved.name.startswith("slow") else 0.01)
+        if resolved.name.startswith("bad"):
+            raise ModelFileError(f"{resolved.name}.gguf is truncated")
+        return FakeLLM(resolved.name)
+
+    monkeypatch.setattr("quantserve.server.router.LLM.load", load)
+    return calls
+
+
+def _slot(name: str, **kw) -> Slot:
+    resolved = ResolvedModel(name, Path(f"/models/{name}.gguf"), ModelEntry(source=name))
+    return Slot(name, resolved, EngineSettings(), names=frozenset({name}), **kw)
+
+
+def _router(*slots: Slot, **kw) -> ModelRouter:
+    return ModelRouter(list(slots), Metrics(), **kw)
+
+
+def test_concurrent_first_requests_share_one_load(loads):
+    async def main():
+        r = _router(_slot("slow-a"))
+        leases: list = []
+        got = await asyncio.gather(*(r.acquire(leases, "slow-a") for _ in range(8)))
+        assert len({id(x) for x in got}) == 1 and r.slots["slow-a"].leases == 8
+        r.release(leases)
+        assert r.slots["slow-a"].leases == 0 and r.slots["slow-a"].idle.is_set()
+
+    asyncio.run(main())
+    assert loads == ["slow-a"]
+
+
+def test_lru_unloads_the_least_recently_used_idle_model_and_never_a_pinned_one(loads):
+    async def main():
+        r = _router(_slot("p", pinned=True), _slot("a"), _slot("b"), models_max=2)
+        r.start()  # loads the pinned one
+        await asyncio.sleep(0.1)
+        assert r.slots["p"].status == "loaded"
+        held: list = []
+        a = await r.acquire(held, "a")  # room: p + a
+        assert r.slots["a"].status == "loaded"
+        r.release(held)
+        await r.acquire(held, "b")  # p is pinned: a goes
+        r.release(held)
+        assert (r.slots["a"].status, r.slots["b"].status, r.slots["p"].status) == (
+            "unloaded",
+            "loaded",
+            "loaded",
+        )
+        assert a.closed
+
+    asyncio.run(main())
+    assert loads == ["p", "a", "b"]
+
+
+def test_a_model_in_use_unloads_only_after_its_requests_finish(loads):
+    async def main():
+        r = _router(_slot("a"), _slot("b"), models_max=1)
+        held_a: list = []
+        a = await r.acquire(held_a, "a")
+        b_task = asyncio.create_task(r.acquire([], "b"))
+        await asyncio.sleep(0.2)
+        assert not a.closed and r.slots["a"].status == "unloading" and not b_task.done()
+        # a new request for "a" waits for the unload (and would then load it again)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(r.acquire([], "a"), 0.05)
+        r.release(held_a)  # the request in flight ends
+        await asyncio.wait_for(b_task, 5)
+        assert a.closed and r.slots["b"].status == "loaded"
+
+    asyncio.run(main())
+
+
+def test_idle_models_go_before_busy_ones(loads):
+    async def main():
+        r = _router(_slot("a"), _slot("b"), _slot("c"), models_max=2)
+        busy: list = []
+        await r.acquire(busy, "a")  # oldest, but in use
+        held: list = []
+        await r.acquire(held, "b")
+        r.release(held)
+        await r.acquire(held, "c")
+        assert (r.slots["a"].status, r.slots["b"].status) == ("loaded", "unloaded")
+
+    asyncio.run(main())
+
+
+def test_memory_budget_unloads_until_the_next_model_fits(loads, monkeypatch):
+    monkeypatch.setattr("quantserve.server.memory.free_bytes", lambda backend: None)
+
+    async def main():
+        mib = 2**20
+        r = _router(
+            _slot("a", estimate=400 * mib), _slot("b", estimate=400 * mib), _slot("c", estimate=500 * mib),
+            memory_budget=1000 * mib,
+        )  # fmt: skip
+        held: list = []
+        for name in ("a", "b"):
+            await r.acquire(held, name)
+            r.release(held)
+        await r.acquire(held, "c")  # 400 + 400 + 500 > 1000: a (least recently used) goes, b stays
+        assert [s.status for s in r.slots.values()] == ["unloaded", "loaded", "loaded"]
+
+    asyncio.run(main())
+
+
+def test_all_pinned_refuses_with_the_reason(loads):
+    async def main():
+        r = _router(_slot("p", pinned=True), _slot("a"), models_max=1)
+        r.start()
+        await asyncio.sleep(0.1)
+        with pytest.raises(ModelLoadingError, match="models-max 1.*pinned"):
+            await r.acquire([], "a")
+        with pytest.raises(InvalidRequestError, match="pinned"):
+            await r.unload("p")
+
+    asyncio.run(main())
+
+
+def test_a_failed_load_answers_each_waiter_with_the_cause_and_is_retried(loads):
+    async def main():
+        r = _router(_slot("bad"), _slot("ok"))
+        results = await asyncio.gather(*(r.acquire([], "bad") for _ in range(3)), return_exceptions=True)
+        assert all(isinstance(e, ModelLoadingError) and "truncated" in e.message for e in results)
+        assert results[0].http_status == 503 and results[0].code == "model_load_failed"
+        assert r.slots["bad"].status == "unloaded" and "truncated" in r.slots["bad"].error.message
+        assert await r.acquire([], "ok")
+        with pytest.raises(ModelLoadingError):
+            await r.acquire([], "bad")
+
+    asyncio.run(main())
+    assert loads == ["bad", "ok", "bad"]  # one load for the three concurrent requests, one for the retry
+
+
+def test_keep_alive_unloads_an_idle_model(loads):
+    async def main():
+        r = _router(_slot("a", keep_alive=0.5), _slot("b"))
+        r.start()
+        held: list = []
+        await r.acquire(held, "a")
+        await r.acquire(held, "b")
+        await asyncio.sleep(1.8)
+        assert r.slots["a"].status == "loaded"  # in use: never idled out
+        r.release(held)
+        await asyncio.sleep(1.8)
+        assert (r.slots["a"].status, r.slots["b"].status) == ("unloaded", "loaded")
+        r.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_gives_its_lease_back(loads):
+    async def main():
+        r = _router(_slot("slow-a"))
+        waiter = asyncio.create_task(r.acquire([], "slow-a"))
+        await asyncio.sleep(0.05)
+        waiter.cancel()  # the client left during the load
+        await asyncio.sleep(0.5)
+        slot = r.slots["slow-a"]
+        assert slot.status == "loaded" and slot.leases == 0 and slot.pending == 0 and slot.idle.is_set()
+
+    asyncio.run(main())
+
+
+def test_names_any_case_aliases_and_a_default(loads):
+    r = _router(_slot("a"), _slot("b"), default="b")
+    assert r.find("A").name == "a" and r.find(None).name == "b"
+    with pytest.raises(ModelNotFoundError, match="serves a, b"):
+        r.find("c")
+    with pytest.raises(InvalidRequestError, match="'model' is required"):
+        _router(_slot("a"), _slot("b")).find(None)
