@@ -174,6 +174,15 @@ def _mmproj(name: str, entry: ModelEntry, base: Path, toml: Path | None) -> Path
     return p
 
 
+def is_hub_id(source: str, base: Path) -> bool:
+    """Whether a models.toml source names a hub repository (org/name), not a path (relative to `base`) or a
+    package file: what resolve_source would download."""
+    if source.startswith("package:") or not _HUB_ID.match(source):
+        return False
+    p = Path(source).expanduser()
+    return not (p if p.is_absolute() else base / p).exists()
+
+
 def resolve_source(source: str, file: str | None, base: Path) -> Path:
     if source.startswith("package:"):
         return _from_package(source.removeprefix("package:"))

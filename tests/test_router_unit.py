@@ -154,7 +154,7 @@ def test_all_pinned_refuses_with_the_reason(loads):
     asyncio.run(main())
 
 
-def test_a_failed_load_answers_each_waiter_with_the_cause_and_is_retried(loads):
+def test_a_failed_load_answers_each_waiter_with_the_cause_and_is_retried_later(loads, monkeypatch):
     async def main():
         r = _router(_slot("bad"), _slot("ok"))
         results = await asyncio.gather(*(r.acquire([], "bad") for _ in range(3)), return_exceptions=True)
@@ -162,11 +162,30 @@ def test_a_failed_load_answers_each_waiter_with_the_cause_and_is_retried(loads):
         assert results[0].http_status == 503 and results[0].code == "model_load_failed"
         assert r.slots["bad"].status == "unloaded" and "truncated" in r.slots["bad"].error.message
         assert await r.acquire([], "ok")
-        with pytest.raises(ModelLoadingError):
+        with pytest.raises(ModelLoadingError, match="truncated"):  # at once, no load: the failure is fresh
+            await r.acquire([], "bad")
+        assert loads == ["bad", "ok"]
+        monkeypatch.setattr("quantserve.server.router.RETRY_FAILED_S", 0.0)
+        with pytest.raises(
+            ModelLoadingError, match="truncated"
+        ):  # later: loaded again (a fixed file would load)
             await r.acquire([], "bad")
 
     asyncio.run(main())
     assert loads == ["bad", "ok", "bad"]  # one load for the three concurrent requests, one for the retry
+
+
+def test_a_model_over_the_whole_budget_is_refused_without_unloading_anything(loads, monkeypatch):
+    monkeypatch.setattr("quantserve.server.memory.free_bytes", lambda backend: None)
+
+    async def main():
+        r = _router(_slot("a", estimate=2**20), _slot("big", estimate=2**31), memory_budget=2**30)
+        await r.acquire([], "a")
+        with pytest.raises(ModelLoadingError, match="more than --memory-budget 1024 MiB on its own"):
+            await r.acquire([], "big")
+        assert r.slots["a"].status == "loaded"
+
+    asyncio.run(main())
 
 
 def test_keep_alive_unloads_an_idle_model(loads):
@@ -181,7 +200,7 @@ def test_keep_alive_unloads_an_idle_model(loads):
         r.release(held)
         await asyncio.sleep(1.8)
         assert (r.slots["a"].status, r.slots["b"].status) == ("unloaded", "loaded")
-        r.close()
+        r.stop()
 
     asyncio.run(main())
 
@@ -206,3 +225,18 @@ def test_names_any_case_aliases_and_a_default(loads):
         r.find("c")
     with pytest.raises(InvalidRequestError, match="'model' is required"):
         _router(_slot("a"), _slot("b")).find(None)
+
+
+def test_the_kv_estimate_reads_per_layer_head_counts(smollm2_gguf, tmp_path):
+    """llama.cpp allows head_count_kv as a per-layer array (OpenELM, Nemotron-NAS): summed, not repeated."""
+    from quantserve.formats import detect
+    from quantserve.server.memory import estimate_bytes, model_shape
+    from tests.gguf_mutants import PASSING, write_mutant
+
+    per_layer = tmp_path / "per-layer.gguf"
+    write_mutant(smollm2_gguf, per_layer, PASSING[0])  # 29 layers with 3 KV heads, the last with 1
+    plain, mutant = model_shape(detect(smollm2_gguf)), model_shape(detect(per_layer))
+    assert (plain.kv_heads, mutant.kv_heads) == (30 * 3, 29 * 3 + 1)
+    settings = EngineSettings(ctx_size=1024, max_num_seqs=2)
+    kv = estimate_bytes(detect(smollm2_gguf), settings, "llamacpp") - smollm2_gguf.stat().st_size
+    assert kv == 2 * 90 * 64 * 2048 * 2  # K and V, 90 heads of 64 over the layers, 2048 cells, f16

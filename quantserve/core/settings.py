@@ -29,6 +29,9 @@ class TorchSettings:
     gpu_memory_utilization: float = (
         0.90  # share of the GPU's memory the model, KV cache and activations may use
     )
+    # size the KV cache to fill gpu_memory_utilization of the GPU (vLLM's way); off (router mode, where several
+    # models share the GPU): room for max_num_seqs sequences at full context, as on the CPU
+    kv_fill_gpu: bool = True
 
 
 class ModelDefaults(Protocol):

@@ -14,6 +14,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gguf import GGMLQuantizationType as T
+
 from quantserve.errors import ModelFileError
 
 LLAMA_MAX_LAYERS = 512  # llama.cpp src/llama-hparams.h
@@ -22,7 +24,7 @@ _POSITIVE = ("embedding_length", "attention.head_count", "attention.head_count_k
 _BLK = re.compile(r"^blk\.(\d+)\.")
 _EPSILONS = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon")
 ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")  # llama.cpp src/llama-model.cpp's names
-_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: what a norm weight or a bias may be stored as
+_FLOAT_TYPES = (T.F32, T.F16, T.BF16)  # what a norm weight or a bias may be stored as
 
 
 def _count(value: Any) -> int | None:
@@ -86,6 +88,8 @@ def _check_experts(arch: str, metadata: Mapping[str, Any], bad) -> None:
     """llama-model.cpp's asserts on mixture-of-experts counts: used <= count, used >= 1 when there are experts,
     no expert groups without experts, and groups that divide the experts."""
     n_expert = _count(metadata.get(f"{arch}.expert_count")) or 0
+    if arch in ("hunyuan-dense", "hunyuan_vl") and n_expert <= 1:
+        return  # llama.cpp resets these dense models' expert counts to 0 before its checks
     if not 0 <= n_expert <= LLAMA_MAX_EXPERTS:
         raise bad(f"{arch}.expert_count", n_expert, f"is outside 0..{LLAMA_MAX_EXPERTS}")
     n_used = _count(metadata.get(f"{arch}.expert_used_count"))
@@ -110,19 +114,19 @@ def _check_experts(arch: str, metadata: Mapping[str, Any], bad) -> None:
 
 
 def check_vocab(name: str, metadata: Mapping[str, Any]) -> None:
-    """A SentencePiece ("llama") vocabulary must hold the 256 byte tokens <0x00>..<0xFF>: llama.cpp falls back to
-    them for any character outside the vocabulary and aborts (an uncaught std::out_of_range) when one is missing,
-    on a request rather than at load."""
+    """A SentencePiece ("llama") vocabulary must give every byte a token, <0xXX> or (below 0x80) the character
+    itself: llama.cpp falls back to them for any character outside the vocabulary and aborts (an uncaught
+    std::out_of_range) when one is missing, on a request rather than at load."""
     tokens = metadata.get("tokenizer.ggml.tokens")
     if metadata.get("tokenizer.ggml.model") != "llama" or not isinstance(tokens, list):
         return
     have = set(tokens)
-    missing = [b for b in range(256) if f"<0x{b:02X}>" not in have]
+    missing = [b for b in range(256) if f"<0x{b:02X}>" not in have and not (b < 0x80 and chr(b) in have)]
     if missing:
         raise ModelFileError(
-            f"{name}: tokenizer.ggml.model is 'llama' (SentencePiece) but the vocabulary lacks {len(missing)} of the "
-            f"256 byte tokens (first <0x{missing[0]:02X}>); llama.cpp would abort on the first character outside "
-            "the vocabulary. The file is corrupt or was written by a broken converter — convert or download it again"
+            f"{name}: this SentencePiece vocabulary (tokenizer.ggml.model 'llama') has no token for {len(missing)} "
+            f"of the 256 bytes (first <0x{missing[0]:02X}>), so llama.cpp would abort on the first request holding "
+            "a character outside it; quantserve refuses it. Convert the model again from its original tokenizer"
         )
 
 

@@ -81,7 +81,8 @@ def create_app(
     async def lifespan(app: FastAPI):
         router.start()
         yield
-        await asyncio.to_thread(router.close)
+        for llm_ in router.stop():
+            await asyncio.to_thread(llm_.close)
 
     app = FastAPI(title="quantserve", version=__version__, lifespan=lifespan)
     app.state.qs = state
@@ -148,6 +149,10 @@ def create_app(
     @app.post("/models/load")
     async def load_model(body: ModelAction, request: Request):
         """Admin: load a model now (router mode), waiting until it is ready."""
+        if router.single:
+            raise InvalidRequestError(
+                "this server serves one model; loading is for router mode", param="model"
+            )
         leases: list = []
         await router.acquire(leases, body.model)
         router.release(leases)
@@ -192,7 +197,8 @@ def create_app(
             "usage": {"prompt_tokens": n, "total_tokens": n},
         }
 
-    # Outermost first: metrics see every status, the key check runs before bodies are read, leases end last.
+    # Innermost first (the last added runs first): metrics see every status, the key check runs before bodies are
+    # read, and a request's leases are given back after its response has been sent.
     app.add_middleware(LeaseMiddleware, router=router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:

@@ -7,14 +7,22 @@ import json
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, QuantserveError
 from quantserve.llm import LLM
-from quantserve.registry import ResolvedModel, find_models_toml, load_registry, parse_duration, resolve
+from quantserve.registry import (
+    ResolvedModel,
+    find_models_toml,
+    is_hub_id,
+    load_registry,
+    parse_duration,
+    resolve,
+)
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
-from quantserve.server.router import ModelRouter, Slot
+from quantserve.server.router import ModelRouter, Slot, SlotInfo
 from quantserve.server.settings import ServerSettings
 
 log = logging.getLogger("quantserve.server")
@@ -64,11 +72,15 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
 def _router_slot(name: str, registry, base: EngineSettings, keep_alive: float | None) -> Slot:
     entry = registry.entries[name]
     idle = keep_alive if entry.keep_alive is None else parse_duration(entry.keep_alive, "keep_alive")
-    settings = replace(base, llamacpp=replace(base.llamacpp, probe=True))  # C aborts stay in a child process
+    # C aborts stay in a child process; a torch model on CUDA takes the KV cache it needs, not the free memory
+    settings = replace(
+        base, llamacpp=replace(base.llamacpp, probe=True), torch=replace(base.torch, kv_fill_gpu=False)
+    )
 
-    def setup() -> tuple:
+    def setup() -> SlotInfo:
         resolved = resolve(name, registry)
-        return (resolved, *_facts(resolved, settings), _names(resolved))
+        facts, estimate = _facts(resolved, settings)
+        return SlotInfo(resolved, facts, estimate, _names(resolved))
 
     def preflight() -> None:
         """A GGUF that llama.cpp will load as it is: probed now (cached), before any model unloads for it."""
@@ -85,11 +97,23 @@ def _router_slot(name: str, registry, base: EngineSettings, keep_alive: float | 
 
     slot = Slot(name, None, settings, entry.pin, idle, setup=setup, preflight=preflight)
     slot.names = frozenset(n.lower() for n in (name, *entry.aliases))
+    if is_hub_id(entry.source, registry.path.parent if registry.path else Path.cwd()):
+        return slot  # downloaded on its first request, not before the server listens
     try:
-        slot.resolved, slot.facts, slot.estimate, slot.names = setup()
+        info = setup()
     except QuantserveError as exc:  # served as a 503 naming this, while the others work; retried at load
         log.error("model %s cannot be served: %s", name, exc.message)
         slot.error = exc
+    except Exception as exc:  # a bug or an unreadable file: the same, and the traceback for the log
+        log.exception("model %s cannot be served", name)
+        slot.error = QuantserveError(f"{type(exc).__name__}: {exc}")
+    else:
+        slot.resolved, slot.facts, slot.estimate, slot.names = (
+            info.resolved,
+            info.facts,
+            info.estimate,
+            info.names,
+        )
     return slot
 
 

@@ -85,7 +85,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(QuantserveError)
     async def _quantserve(request: Request, exc: QuantserveError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.http_status == 503 else None
+        # a busy or loading server: retry soon; a model that failed to load: retrying at once will not help
+        headers = {"Retry-After": "1"} if exc.http_status == 503 and exc.code != "model_load_failed" else None
         return error_response(
             exc.http_status, exc.message, exc.error_type, exc.param, exc.code, headers, request.url.path
         )

@@ -23,9 +23,13 @@ class Shape:
     """The few hyperparameters the KV cache's size follows from."""
 
     n_layer: int
-    n_kv_head: int
+    kv_heads: int  # summed over the layers (llama.cpp allows a per-layer head_count_kv array)
     head_dim: int
     n_ctx_train: int | None
+
+
+def _kv_heads(value: Any, n_layer: int) -> int:
+    return sum(value) if isinstance(value, list) else value * n_layer
 
 
 def model_shape(spec: ModelSpec) -> Shape | None:
@@ -36,18 +40,21 @@ def model_shape(spec: ModelSpec) -> Shape | None:
             arch = meta.get("general.architecture")
             n_head = meta.get(f"{arch}.attention.head_count")
             n_embd = meta.get(f"{arch}.embedding_length")
+            n_layer = meta[f"{arch}.block_count"]
+            head = max(n_head) if isinstance(n_head, list) else n_head
             return Shape(
-                meta[f"{arch}.block_count"],
-                meta.get(f"{arch}.attention.head_count_kv", n_head),
-                meta.get(f"{arch}.attention.key_length") or n_embd // n_head,
+                n_layer,
+                _kv_heads(meta.get(f"{arch}.attention.head_count_kv", n_head), n_layer),
+                meta.get(f"{arch}.attention.key_length") or n_embd // head,
                 meta.get(f"{arch}.context_length"),
             )
         config: dict[str, Any] = dict(spec.config or {})
         config = config.get("text_config") or config
         n_head = config["num_attention_heads"]
+        n_layer = config["num_hidden_layers"]
         return Shape(
-            config["num_hidden_layers"],
-            config.get("num_key_value_heads") or n_head,
+            n_layer,
+            (config.get("num_key_value_heads") or n_head) * n_layer,
             config.get("head_dim") or config["hidden_size"] // n_head,
             config.get("max_position_embeddings"),
         )
@@ -106,7 +113,7 @@ def estimate_bytes(spec: ModelSpec, settings: EngineSettings, backend: str) -> i
         per_elem = (_KV_BYTES.get(k.lower(), 2) + _KV_BYTES.get(v.lower(), 2)) / 2
     else:
         per_elem = 2.0
-    return weights + int(2 * shape.n_layer * shape.n_kv_head * shape.head_dim * cells * per_elem)
+    return weights + int(2 * shape.kv_heads * shape.head_dim * cells * per_elem)
 
 
 def free_bytes(backend: str) -> int | None:

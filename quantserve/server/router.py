@@ -18,9 +18,12 @@ import contextlib
 import ctypes
 import gc
 import logging
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import InvalidRequestError, ModelLoadingError, ModelNotFoundError, QuantserveError
@@ -30,6 +33,19 @@ from quantserve.server import memory
 from quantserve.server.metrics import Metrics
 
 log = logging.getLogger("quantserve.server")
+
+RETRY_FAILED_S = 10.0  # a model that failed to load answers 503 at once for this long, then loads again
+Status = Literal["unloaded", "loading", "loaded", "unloading"]
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """What a router-mode entry resolves to before it loads (quantserve.server.catalog)."""
+
+    resolved: ResolvedModel
+    facts: dict  # context_length, backend, format, architecture, input_modalities, capabilities
+    estimate: int  # bytes: weights plus KV
+    names: frozenset[str]
 
 
 @dataclass(eq=False)
@@ -46,17 +62,18 @@ class Slot:
     )  # known before loading: context_length, backend, input_modalities
     estimate: int = 0  # bytes: weights plus KV (quantserve.server.memory)
     names: frozenset[str] = frozenset()  # lower-cased names a request may use: name, aliases, file name
-    status: str = "unloaded"
+    status: Status = "unloaded"
     llm: LLM | None = None
     error: QuantserveError | None = None  # why the last load failed
+    failed_at: float = 0.0  # when (time.monotonic)
     task: asyncio.Task | None = None  # the load or unload under way
     leases: int = 0  # requests using the model now
     pending: int = 0  # requests waiting on its load; the load hands each a lease
     last_used: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no lease is held
-    # router mode: resolves the entry and reads its facts (ResolvedModel, facts, estimate, names); run again at
-    # load time while `resolved` is None, so a file put right after startup is found
-    setup: Callable[[], tuple] | None = None
+    # router mode: resolves the entry and reads its facts; run again at load time while `resolved` is None, so a
+    # file put right after startup is found (and a hub model is downloaded on its first request, not at startup)
+    setup: Callable[[], SlotInfo] | None = None
     # router mode: checks the files before any model unloads to make room (the GGUF probe), so a broken model
     # never costs a working one its place
     preflight: Callable[[], None] | None = None
@@ -66,10 +83,37 @@ class Slot:
 
 
 def _release_memory() -> None:
-    """Return freed memory to the OS, so an unload shows in the process's RSS (glibc keeps freed heap)."""
+    """Return freed memory to the OS, so an unload shows in the process's RSS (glibc keeps freed heap) and in the
+    GPU's free memory (torch's allocator keeps freed blocks)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) on a daemon thread of its own: a load that is still running when the server stops (a download,
+    an in-situ conversion, a probe) neither blocks the shutdown, as the default executor's threads would, nor
+    outlives the process."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=f"quantserve-{getattr(fn, '__name__', 'load')}", daemon=True).start()
+    return await done
 
 
 class ModelRouter:
@@ -132,9 +176,13 @@ class ModelRouter:
         given back by `release` once the response is sent).
 
         Raises:
-            ModelLoadingError: it failed to load (503, naming the cause), or, on a single-model server, it is
-                still loading.
+            ModelNotFoundError: no servable model has that name (404).
+            InvalidRequestError: no name, and no default (400).
+            ModelLoadingError: it failed to load (503, naming the cause; again at once for RETRY_FAILED_S), or,
+                on a single-model server, it is still loading.
         """
+        if self.single:
+            self.single_llm()  # 503 while it loads or after it failed, whatever the name (as ever)
         slot = self.find(requested)
         while True:
             if slot.status == "loaded":
@@ -143,12 +191,14 @@ class ModelRouter:
                 slot.last_used = time.monotonic()
                 leases.append(slot)
                 return slot.llm
-            if self.single:
-                self.single_llm()  # raises why it is not there
             if slot.status == "unloading":
                 await asyncio.shield(slot.task)
                 continue
             if slot.task is None:
+                if slot.error is not None and time.monotonic() - slot.failed_at < RETRY_FAILED_S:
+                    raise ModelLoadingError(  # no load (and no unload to make room) per request of a broken model
+                        f"model {slot.name!r} failed to load: {slot.error.message}", code="model_load_failed"
+                    )
                 self._start_load(slot)
             task = slot.task
             slot.pending += 1
@@ -211,15 +261,16 @@ class ModelRouter:
                     if slot.resolved is None:
                         if slot.setup is None:
                             raise slot.error or QuantserveError(f"model {slot.name!r} cannot be resolved")
-                        slot.resolved, slot.facts, slot.estimate, slot.names = await asyncio.to_thread(
-                            slot.setup
-                        )
+                        info = await _in_thread(slot.setup)
+                        slot.resolved, slot.facts, slot.estimate, slot.names = (
+                            info.resolved, info.facts, info.estimate, info.names,
+                        )  # fmt: skip
                     if slot.preflight is not None:
-                        await asyncio.to_thread(slot.preflight)
+                        await _in_thread(slot.preflight)
                     await self._make_room(slot)
                     t = time.perf_counter()
                     log.info("loading model %s", slot.name)
-                    llm = await asyncio.to_thread(LLM.load, slot.resolved, slot.settings)
+                    llm = await _in_thread(LLM.load, slot.resolved, slot.settings)
                 except QuantserveError as exc:
                     self._failed(slot, exc)
                     raise
@@ -251,7 +302,7 @@ class ModelRouter:
             slot.task = None
 
     def _failed(self, slot: Slot, exc: QuantserveError) -> None:
-        slot.status, slot.error, slot.pending = "unloaded", exc, 0
+        slot.status, slot.error, slot.pending, slot.failed_at = "unloaded", exc, 0, time.monotonic()
         self.metrics.loads.labels(slot.name, "error").inc()
         log.error("could not load model %s: %s", slot.name, exc.message)
         if self._on_load_error is not None:
@@ -260,6 +311,13 @@ class ModelRouter:
     async def _make_room(self, target: Slot) -> None:
         """Unload least-recently-used models (idle ones first) until `target` may load: fewer than --models-max
         loaded, its estimate within --memory-budget beside theirs, and within the memory free now."""
+        if self.memory_budget and target.estimate > self.memory_budget:
+            raise ModelLoadingError(
+                f"cannot load {target.name}: it needs ~{target.estimate / 2**20:.0f} MiB (weights plus KV), more "
+                f"than --memory-budget {self.memory_budget / 2**20:.0f} MiB on its own; raise the budget or lower "
+                "--ctx-size / --max-num-seqs",
+                code="model_load_failed",
+            )
         while True:
             unloading = [s.task for s in self.slots.values() if s.status == "unloading"]
             if unloading:  # their memory is not free yet
@@ -291,7 +349,8 @@ class ModelRouter:
                     log.warning("%s, and no loaded model can be unloaded; loading it anyway", why)
                     return
                 raise ModelLoadingError(
-                    f"cannot load {target.name}: {why}, and all of them are pinned; raise the limit or unpin one"
+                    f"cannot load {target.name}: {why}, and all of them are pinned; raise the limit or unpin one",
+                    code="model_load_failed",
                 )
             victim = min(victims, key=lambda s: (s.leases > 0, s.last_used))
             log.info("unloading %s to make room for %s: %s", victim.name, target.name, why)
@@ -316,9 +375,9 @@ class ModelRouter:
             await slot.idle.wait()
             llm, slot.llm = slot.llm, None
             t = time.perf_counter()
-            await asyncio.to_thread(llm.close)
+            await _in_thread(llm.close)
             del llm
-            await asyncio.to_thread(_release_memory)
+            await _in_thread(_release_memory)
             self.metrics.unloads.labels(slot.name, reason).inc()
             self.metrics.ready.labels(slot.name).set(0)
             log.info("model %s unloaded (%s) in %.1fs", slot.name, reason, time.perf_counter() - t)
@@ -336,8 +395,11 @@ class ModelRouter:
             raise InvalidRequestError(
                 f"model {slot.name!r} is pinned (models.toml pin = true); it stays loaded"
             )
-        while slot.status == "loading":
-            await asyncio.shield(slot.task)
+        if slot.status == "loading" and slot.task is not None:
+            with contextlib.suppress(
+                QuantserveError
+            ):  # a failed load leaves it unloaded, which is what was asked
+                await asyncio.shield(slot.task)
         if slot.status in ("loaded", "unloading"):
             await asyncio.shield(self.start_unload(slot, "request"))
         return slot
@@ -367,13 +429,15 @@ class ModelRouter:
                     log.info("model %s idle for %.0fs (keep_alive)", slot.name, now - slot.last_used)
                     self.start_unload(slot, "keep_alive")
 
-    def close(self) -> None:
+    def stop(self) -> list[LLM]:
+        """On the event loop, at shutdown: stop unloading by idleness and take every loaded model (to close on a
+        worker thread). A load still running then finishes unseen; the process exits around it."""
         if self._reaper is not None:
             self._reaper.cancel()
+        llms = [s.llm for s in self.slots.values() if s.llm is not None]
         for slot in self.slots.values():
-            if slot.llm is not None:
-                slot.llm.close()
-                slot.llm = None
+            slot.llm, slot.status = None, "unloaded"
+        return llms
 
     def loaded(self) -> list[tuple[str, LLM]]:
         return [(s.name, s.llm) for s in self.slots.values() if s.llm is not None]

@@ -34,6 +34,18 @@ def serve(settings: ServerSettings) -> int:
             "quantserve %s: router mode, models from %s", __version__, settings.models_file or "models.toml"
         )
     else:
+        router_only = {
+            "--models-max": settings.models_max,
+            "--memory-budget": settings.memory_budget,
+            "--keep-alive": settings.keep_alive,
+        }
+        given = [flag for flag, value in router_only.items() if value]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)}: for router mode only (several models); with one MODEL nothing unloads. "
+                f"Drop them, or serve models.toml's entries: quantserve run --models {settings.model}",
+                param="models",
+            )
         resolved, _ = settings.resolve_model()
         spec = detect(resolved.path)
         if spec.format == "gguf":

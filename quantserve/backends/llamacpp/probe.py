@@ -6,6 +6,10 @@ every model. So the child loads the file exactly as LlamaCppRunner does, tokeniz
 token through the real decode path (some asserts fire only when the compute graph is built); the parent turns a
 child killed by a signal into a ModelFileError. A probe costs one extra load, so results are cached per file.
 
+The child runs on the CPU with llama.cpp's default context settings (a 64-cell context, no GPU layers): an abort
+that only a GPU backend, flash attention or a quantized KV cache would trigger is not found here, and one the CPU
+backend hits but a GPU would not (a norm weight in F16) refuses the file everywhere.
+
     python -m quantserve.backends.llamacpp.probe MODEL.gguf [--mmproj MMPROJ.gguf]   # the child; exit 0 or 2
 """
 
@@ -69,8 +73,8 @@ def probe_gguf(path: Path, *, mmproj: Path | None = None, timeout: float = 300.0
     except subprocess.TimeoutExpired:
         raise ProbeCrashError(
             f"{path}: loading it with llama.cpp and evaluating one token took longer than {timeout:g} s in a "
-            "probe process, so it was not loaded here; the file may be too large for this machine, or llama.cpp "
-            f"hangs on it ({_FIX}), or turn the llama.cpp probe off if loading is just slow",
+            "probe process, so it was not loaded here; the file may be too large for this machine (or the disk too "
+            f"slow: the next request tries again), or llama.cpp hangs on it ({_FIX})",
             returncode=None,
             detail="",
         ) from None
@@ -122,8 +126,10 @@ def telling_line(stderr: str) -> str:
 class ProbeCache:
     """probe_gguf once per file version: (resolved path, size, mtime_ns), and the projector's likewise.
 
-    Failures are remembered too, so a broken file is not probed again on every request; a changed file (new size
-    or mtime) is probed afresh. Thread-safe: probes of different files run at once, of the same file once."""
+    What the file itself decides is remembered: a clean refusal, or llama.cpp aborting on it (SIGABRT, SIGSEGV, …),
+    so a broken file is not probed again on every request; a changed file (new size or mtime) is probed afresh. A
+    timeout, a kill (the OOM killer's SIGKILL) or another exit code may pass, and is probed again next time.
+    Thread-safe: probes of different files run at once, of the same file once."""
 
     def __init__(self, timeout: float = 300.0):
         self.timeout = timeout
@@ -142,10 +148,21 @@ class ProbeCache:
                     probe_gguf(path, mmproj=mmproj, timeout=self.timeout)
                     self._results[key] = None
                 except ModelFileError as exc:
+                    if not _lasting(exc):
+                        raise
                     self._results[key] = exc
             error = self._results[key]
         if error is not None:
             raise error.with_traceback(None)  # the same error again, without the tracebacks of earlier raises
+
+
+# Signals that say the file is the problem (llama.cpp aborting or reading out of bounds), not the machine.
+_FILE_SIGNALS = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS, -signal.SIGFPE, -signal.SIGILL}
+
+
+def _lasting(exc: ModelFileError) -> bool:
+    """Whether a probe's failure follows from the file alone, so that probing the same file again is pointless."""
+    return not isinstance(exc, ProbeCrashError) or exc.returncode in _FILE_SIGNALS
 
 
 def _version(path: Path) -> tuple[str, int, int]:

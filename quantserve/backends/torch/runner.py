@@ -42,13 +42,13 @@ def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
 def size_kv_cache(
     model: Transformer, settings: EngineSettings, n_ctx: int, dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Number of KV blocks: --kv-size, else what fits in free GPU memory (vLLM's gpu_memory_utilization), else
-    room for every sequence at full context on CPU."""
+    """Number of KV blocks: --kv-size, else what fits in free GPU memory (vLLM's gpu_memory_utilization; unless
+    kv_fill_gpu is off), else room for every sequence at full context."""
     own = settings.torch
     per_block = kv_bytes_per_token(model, dtype) * own.block_size
     if settings.kv_size:
         return -(-settings.kv_size // own.block_size)
-    if device.type == "cuda":
+    if device.type == "cuda" and own.kv_fill_gpu:
         torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - own.gpu_memory_utilization) * total - 512 * 2**20  # activations
