@@ -54,10 +54,12 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
         chat = True
     elif spec.format == "gguf":
         chat = read_gguf_info(spec.files[0]).chat_template is not None
-    else:
-        config = spec.path / "tokenizer_config.json" if spec.path.is_dir() else None
-        chat = (spec.path / "chat_template.jinja").is_file() if spec.path.is_dir() else False
-        chat = chat or bool(config and config.is_file() and "chat_template" in json.loads(config.read_text()))
+    else:  # an HF checkpoint: a template file, or one inside tokenizer_config.json
+        folder = spec.path if spec.path.is_dir() else spec.path.parent
+        tok_config = folder / "tokenizer_config.json"
+        chat = (folder / "chat_template.jinja").is_file() or (
+            tok_config.is_file() and "chat_template" in json.loads(tok_config.read_text())
+        )
     facts = {
         "context_length": memory.n_ctx(memory.model_shape(spec), settings),
         "backend": backend,
@@ -108,12 +110,7 @@ def _router_slot(name: str, registry, base: EngineSettings, keep_alive: float | 
         log.exception("model %s cannot be served", name)
         slot.error = QuantserveError(f"{type(exc).__name__}: {exc}")
     else:
-        slot.resolved, slot.facts, slot.estimate, slot.names = (
-            info.resolved,
-            info.facts,
-            info.estimate,
-            info.names,
-        )
+        slot.resolve(info)
     return slot
 
 

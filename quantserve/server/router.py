@@ -81,6 +81,14 @@ class Slot:
     def __post_init__(self) -> None:
         self.idle.set()
 
+    def resolve(self, info: SlotInfo) -> None:
+        self.resolved, self.facts, self.estimate, self.names = (
+            info.resolved,
+            info.facts,
+            info.estimate,
+            info.names,
+        )
+
 
 def _release_memory() -> None:
     """Return freed memory to the OS, so an unload shows in the process's RSS (glibc keeps freed heap) and in the
@@ -261,10 +269,7 @@ class ModelRouter:
                     if slot.resolved is None:
                         if slot.setup is None:
                             raise slot.error or QuantserveError(f"model {slot.name!r} cannot be resolved")
-                        info = await _in_thread(slot.setup)
-                        slot.resolved, slot.facts, slot.estimate, slot.names = (
-                            info.resolved, info.facts, info.estimate, info.names,
-                        )  # fmt: skip
+                        slot.resolve(await _in_thread(slot.setup))
                     if slot.preflight is not None:
                         await _in_thread(slot.preflight)
                     await self._make_room(slot)
