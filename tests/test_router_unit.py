@@ -14,7 +14,8 @@ from quantserve.core.settings import EngineSettings
 from quantserve.errors import InvalidRequestError, ModelFileError, ModelLoadingError, ModelNotFoundError
 from quantserve.registry import ModelEntry, ResolvedModel
 from quantserve.server.metrics import Metrics
-from quantserve.server.router import ModelRouter, Slot
+from quantserve.server.router import ModelRouter
+from quantserve.server.slot import Slot
 
 
 class FakeLLM:

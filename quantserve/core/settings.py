@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
+MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
+
 
 @dataclass(frozen=True)
 class LlamaCppSettings:
@@ -87,6 +89,10 @@ class EngineSettings:
             if nested[name]:
                 top[name] = replace(top.get(name, section()), **nested[name])
         return cls(**top)
+
+    def n_ctx(self, n_ctx_train: int | None) -> int:
+        """The context a sequence gets: --ctx-size, else the model's own capped at MAX_DEFAULT_CTX."""
+        return self.ctx_size or min(n_ctx_train or MAX_DEFAULT_CTX, MAX_DEFAULT_CTX)
 
     def for_model(self, entry: ModelDefaults) -> EngineSettings:
         """These settings with the model's own defaults from models.toml filled in where none was given."""

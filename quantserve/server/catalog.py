@@ -22,8 +22,9 @@ from quantserve.registry import (
 )
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
-from quantserve.server.router import ModelRouter, Slot, SlotInfo
+from quantserve.server.router import ModelRouter
 from quantserve.server.settings import ServerSettings
+from quantserve.server.slot import Slot, SlotInfo
 
 log = logging.getLogger("quantserve.server")
 

@@ -11,8 +11,6 @@ from typing import Any
 from quantserve.core.settings import EngineSettings
 from quantserve.formats import ModelSpec, read_gguf_info
 
-MAX_DEFAULT_CTX = 8192  # both backends' cap on a model's own context when --ctx-size is 0
-
 _SOURCE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "float32": 32, "float16": 16, "bfloat16": 16}
 _KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32}
 _KV_BYTES |= {"q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
@@ -87,9 +85,8 @@ def _target_bits(quant: str | None) -> float | None:
     return 8 * size / block
 
 
-def n_ctx(spec_shape: Shape | None, settings: EngineSettings) -> int:
-    train = spec_shape.n_ctx_train if spec_shape and spec_shape.n_ctx_train else MAX_DEFAULT_CTX
-    return settings.ctx_size or min(train, MAX_DEFAULT_CTX)
+def n_ctx(shape: Shape | None, settings: EngineSettings) -> int:
+    return settings.n_ctx(shape.n_ctx_train if shape is not None else None)
 
 
 def estimate_bytes(spec: ModelSpec, settings: EngineSettings, backend: str) -> int:

@@ -22,72 +22,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from quantserve.core.settings import EngineSettings
 from quantserve.errors import InvalidRequestError, ModelLoadingError, ModelNotFoundError, QuantserveError
 from quantserve.llm import LLM
-from quantserve.registry import ResolvedModel
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
+from quantserve.server.slot import Slot
 
 log = logging.getLogger("quantserve.server")
 
 RETRY_FAILED_S = 10.0  # a model that failed to load answers 503 at once for this long, then loads again
-Status = Literal["unloaded", "loading", "loaded", "unloading"]
-
-
-@dataclass(frozen=True)
-class SlotInfo:
-    """What a router-mode entry resolves to before it loads (quantserve.server.catalog)."""
-
-    resolved: ResolvedModel
-    facts: dict  # context_length, backend, format, architecture, input_modalities, capabilities
-    estimate: int  # bytes: weights plus KV
-    names: frozenset[str]
-
-
-@dataclass(eq=False)
-class Slot:
-    """One servable model and where it stands: unloaded, loading, loaded or unloading."""
-
-    name: str
-    resolved: ResolvedModel | None  # None: the entry could not be resolved (`error` says why)
-    settings: EngineSettings
-    pinned: bool = False
-    keep_alive: float | None = None  # idle seconds before it unloads; None: never
-    facts: dict = field(
-        default_factory=dict
-    )  # known before loading: context_length, backend, input_modalities
-    estimate: int = 0  # bytes: weights plus KV (quantserve.server.memory)
-    names: frozenset[str] = frozenset()  # lower-cased names a request may use: name, aliases, file name
-    status: Status = "unloaded"
-    llm: LLM | None = None
-    error: QuantserveError | None = None  # why the last load failed
-    failed_at: float = 0.0  # when (time.monotonic)
-    task: asyncio.Task | None = None  # the load or unload under way
-    leases: int = 0  # requests using the model now
-    pending: int = 0  # requests waiting on its load; the load hands each a lease
-    last_used: float = 0.0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no lease is held
-    # router mode: resolves the entry and reads its facts; run again at load time while `resolved` is None, so a
-    # file put right after startup is found (and a hub model is downloaded on its first request, not at startup)
-    setup: Callable[[], SlotInfo] | None = None
-    # router mode: checks the files before any model unloads to make room (the GGUF probe), so a broken model
-    # never costs a working one its place
-    preflight: Callable[[], None] | None = None
-
-    def __post_init__(self) -> None:
-        self.idle.set()
-
-    def resolve(self, info: SlotInfo) -> None:
-        self.resolved, self.facts, self.estimate, self.names = (
-            info.resolved,
-            info.facts,
-            info.estimate,
-            info.names,
-        )
 
 
 def _release_memory() -> None:

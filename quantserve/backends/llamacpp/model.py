@@ -25,7 +25,6 @@ from quantserve.structured import Vocabulary
 
 log = logging.getLogger("quantserve.llamacpp")
 
-MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 IMAGE_MARKER = "<image>"  # what LLaVA's chat templates write for an image: one token of its vocabulary
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -59,7 +58,7 @@ class LlamaCppRunner:
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         train = n_ctx_train or lc.llama_model_n_ctx_train(self.model)
-        self.n_ctx = settings.ctx_size or min(train, MAX_DEFAULT_CTX)
+        self.n_ctx = settings.n_ctx(train)
         # Per-sequence KV (llama.cpp "streams") keeps every sequence's cells contiguous and its own, so a greedy
         # request gives the same tokens alone or batched (measured: identical; with the unified pool, summation
         # order over interleaved cells makes tokens drift after a few dozen). It costs n_ctx cells per sequence.

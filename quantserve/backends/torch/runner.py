@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("quantserve.torch")
 
 
-MAX_DEFAULT_CTX = 8192  # as on the llama.cpp backend
-
-
 def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
     a = model.args
     return (
@@ -91,7 +88,7 @@ class TorchRunner:
         self.tokenizer = tokenizer
         self.settings = settings
         self.device = device
-        self.n_ctx = settings.ctx_size or min(model.args.max_position_embeddings, MAX_DEFAULT_CTX)
+        self.n_ctx = settings.n_ctx(model.args.max_position_embeddings)
         self.n_vocab = model.args.vocab_size
         dtype = model.model.embed_tokens.weight.dtype
         num_blocks = size_kv_cache(model, settings, self.n_ctx, dtype, device)
