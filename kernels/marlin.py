@@ -259,6 +259,39 @@ def to_marlin(w: QuantizedWeight, name: str = "weight") -> MarlinWeight:
     )
 
 
+def concat_n(parts: list[MarlinWeight], name: str = "weight") -> MarlinWeight:
+    """The Marlin weight of the linears in `parts` side by side (their outputs concatenated: fused QKV, gate/up).
+
+    Every Marlin structure permutes within a 64-column tile and lays the tiles out along N in order (the
+    qweight's words, the scale permutation, the zero points' 64-chunk transpose), so with every N a multiple of
+    64 concatenating along N commutes with the repack: concat_n(to_marlin(a), to_marlin(b)) equals
+    to_marlin(a | b) bit for bit (tests/test_marlin_layout.py). Act-order rows must be permuted alike.
+
+    Raises:
+        QuantLayoutError: the parts differ in K, bits, group size, zero points or act-order permutation.
+    """
+    first = parts[0]
+    for p in parts[1:]:
+        same = (p.K, p.bits, p.group_size, p.zeros is None, p.perm is None) == (
+            first.K, first.bits, first.group_size, first.zeros is None, first.perm is None
+        )  # fmt: skip
+        if not same or (p.perm is not None and not torch.equal(p.perm, first.perm)):
+            raise QuantLayoutError(
+                f"{name}: cannot fuse linears that differ in K, bits, group size, zero points or act-order"
+            )
+    return MarlinWeight(
+        qweight=torch.cat([p.qweight for p in parts], dim=1),
+        scales=torch.cat([p.scales for p in parts], dim=1),
+        zeros=None if first.zeros is None else torch.cat([p.zeros for p in parts], dim=1),
+        g_idx=first.g_idx,
+        perm=first.perm,
+        bits=first.bits,
+        group_size=first.group_size,
+        K=first.K,
+        N=sum(p.N for p in parts),
+    )
+
+
 def from_marlin(m: MarlinWeight) -> QuantizedWeight:
     """Exact inverse of to_marlin: the canonical QuantizedWeight, rows and g_idx back in natural order."""
     q = marlin_unpack(m.qweight, m.K, m.N, m.bits)

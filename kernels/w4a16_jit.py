@@ -229,6 +229,17 @@ def _marlin_dequant(
         tl.store(w_ptr + row[:, None] * N + n[None, :], val.to(w_ptr.dtype.element_ty), mask=gmask)
 
 
+def sum_splits(ws: Any, bias: Any, out: Any, interpret: bool) -> None:
+    """out [M, N] = the sum of the split-K partials ws [split, M, N] (+ bias [N]), in fixed order."""
+    split, m, n = ws.shape
+    block = 1024
+    _, _, splitk_sum = _jit_kernels(interpret)
+    splitk_sum[(-(-m * n // block),)](
+        ws, ws if bias is None else bias, out, m * n, n, split,
+        HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=True,
+    )  # fmt: skip
+
+
 def _jit_kernels(interpret: bool) -> tuple[Any, Any, Any]:
     """(gemm, dequant, split-K sum) as Triton functions, wrapped on first use (never at import) and keyed by the
     flag, so TRITON_INTERPRET is honoured at call time even when triton was imported before it was set. The

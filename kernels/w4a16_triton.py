@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from .marlin import MarlinWeight
-from .w4a16_jit import _jit_kernels
+from .w4a16_jit import _jit_kernels, sum_splits
+from .w4a16_plain import PlainState, plain_dequantize, plain_gemm, prepare_plain
 
 
 def interpreting() -> bool:
@@ -170,7 +171,7 @@ def w4a16_gemm(
     bf16_fix = interp and x.dtype == torch.bfloat16
     out = torch.empty(m, n, device=dev, dtype=torch.float32 if bf16_fix else x.dtype)
     ws = torch.empty(split, m, n, device=dev, dtype=torch.float32) if partial else out
-    gemm, _, splitk_sum = _jit_kernels(interp)
+    gemm, _, _ = _jit_kernels(interp)
     dummy = state.qweight
     grid = (-(-m // cfg.block_m), -(-n // cfg.block_n), split)
     gemm[grid](
@@ -189,11 +190,7 @@ def w4a16_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True,
     )  # fmt: skip
     if partial:
-        block = 1024
-        splitk_sum[(-(-m * n // block),)](
-            ws, dummy if bias is None else bias, out, m * n, n, split,
-            HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=True,
-        )  # fmt: skip
+        sum_splits(ws, bias, out, interp)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -224,17 +221,22 @@ def marlin_dequantize(
 
 
 class TritonW4A16Kernel:
-    """Marlin-layout W4A16/W8A16 through Triton on CUDA (sm80+); on CPU only under TRITON_INTERPRET=1 (tests).
+    """Marlin weights, W4A16/W8A16 through Triton on CUDA (sm80+); on CPU only under TRITON_INTERPRET=1 (tests).
 
+    prepare() makes the K-packed copy of w4a16_plain.py where the weight's groups allow (all but act-order with
+    uneven groups and groups under 32 rows), else keeps the Marlin layout for the kernels of w4a16_jit.py.
     M < dequant_min_m: the fused kernel (split-K GEMV for small M, tensor-core tiles above). M >= dequant_min_m:
-    dequantize to a dense [K, N] temporary (K*N*2 bytes, freed after the call) and use cuBLAS, which wins once
-    the matmul is compute-bound. The crossover is a guess until measured with bench/w4a16_gemm.py.
+    dequantize to a dense [K, N] temporary (K*N*2 bytes, freed after the call) and use cuBLAS. Measured on an
+    H100 (bench/results/gpu-2026-11-26.md), the K-packed kernel wins up to M = 64 and the two are level at 128
+    (a Llama-3-8B layer: 407 us fused, 384 us dequantized), where the fused kernel's tensor-core tiles stall on
+    unpacking; at 512 dequantizing takes half the time. Hence 128.
     """
 
     name = "triton_w4a16"
 
-    def __init__(self, dequant_min_m: int = 512) -> None:
+    def __init__(self, dequant_min_m: int = 128, plain: bool = True) -> None:
         self.dequant_min_m = dequant_min_m
+        self.plain = plain  # False: the Marlin-layout kernels only (benchmarks compare the two)
 
     @classmethod
     def can_implement(
@@ -267,17 +269,24 @@ class TritonW4A16Kernel:
             )
         return True, ""
 
-    def prepare(self, mw: MarlinWeight) -> TritonW4A16State:
+    def prepare(self, mw: MarlinWeight) -> PlainState | TritonW4A16State:
+        """The K-packed copy (w4a16_plain.py) when the weight's groups suit it, else the Marlin-layout state."""
+        if self.plain:
+            plain = prepare_plain(mw)
+            if plain is not None:
+                return plain
         return prepare_marlin(mw)
 
-    def path(self, m: int) -> str:
+    def path(self, m: int, state: PlainState | TritonW4A16State | None = None) -> str:
         """Which path apply() takes for M rows (printed by the benchmark)."""
         if m >= self.dequant_min_m:
             return "dequant+matmul"
+        if isinstance(state, PlainState) or (state is None and self.plain):
+            return "plain-fma" if m == 1 else "plain-dot"
         return "fused-fma" if m <= 2 else "fused-dot"
 
     def apply(
-        self, state: TritonW4A16State, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, state: PlainState | TritonW4A16State, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [..., K] -> [..., N] in x.dtype. Raises ValueError on a K or device mismatch."""
         if x.shape[-1] != state.K:
@@ -285,9 +294,18 @@ class TritonW4A16Kernel:
         if x.device != state.qweight.device:
             raise ValueError(f"W4A16 linear: x is on {x.device}, the weight on {state.qweight.device}")
         m = x.numel() // state.K
+        plain = isinstance(state, PlainState)
         if m < self.dequant_min_m:
+            if plain:
+                sms = _device_info(x.device.index or 0)[0] if x.device.type == "cuda" else 0
+                return plain_gemm(x, state, bias, sm_count=sms, interpret=interpreting())
             return w4a16_gemm(x, state, bias)
-        w = marlin_dequantize(state, x.dtype)
         x2 = x.reshape(-1, state.K)
+        if plain:
+            w = plain_dequantize(state, x.dtype, interpret=interpreting())  # rows in packed order
+            if state.perm is not None:
+                x2 = x2.index_select(1, state.perm)
+        else:
+            w = marlin_dequantize(state, x.dtype)
         out = x2 @ w if bias is None else torch.addmm(bias.to(x.dtype), x2, w)
         return out.reshape(*x.shape[:-1], state.N)

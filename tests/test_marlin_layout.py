@@ -10,6 +10,7 @@ import torch
 from quantserve.kernels.marlin import (
     MarlinWeight,
     awq_marlin_repack,
+    concat_n,
     from_marlin,
     gptq_marlin_repack,
     marlin_permute_bias,
@@ -262,6 +263,35 @@ def test_round_trip(bits: int, sym: bool, group_size: int, act_order: bool) -> N
     assert torch.equal(scales[g] * (rows - zeros[g]), ref[perm])
 
 
+@pytest.mark.parametrize(("bits", "sym", "group_size", "act_order"), CASES)
+def test_concat_n_commutes_with_the_repack(bits: int, sym: bool, group_size: int, act_order: bool) -> None:
+    """Fusing (q | k | v) after the repack gives the repack of the fused weight, bit for bit."""
+    parts = [_rand_weight(bits, sym, group_size, act_order, n=n) for n in (128, 64, 192)]
+    base = parts[0]  # one act-order permutation for all: the fused linears share their input
+    parts = [QuantizedWeight(p.qweight, p.scales, p.zeros, bits, group_size, base.g_idx) for p in parts]
+    fused = QuantizedWeight(
+        torch.cat([p.qweight for p in parts], 1),
+        torch.cat([p.scales for p in parts], 1),
+        None if sym else torch.cat([p.zeros for p in parts], 1),
+        bits,
+        group_size,
+        base.g_idx,
+    )
+    want = to_marlin(fused)
+    got = concat_n([to_marlin(p) for p in parts])
+    assert (got.K, got.N) == (want.K, want.N) == (256, 384)
+    for name in ("qweight", "scales", "zeros", "g_idx", "perm"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+
+
+def test_concat_n_refuses_different_permutations() -> None:
+    a, b = _rand_weight(4, True, 64, True), _rand_weight(4, True, 64, True, n=64)
+    b = QuantizedWeight(b.qweight, b.scales, None, 4, 64, torch.flip(a.g_idx, [0]))
+    with pytest.raises(QuantLayoutError, match="act-order"):
+        concat_n([to_marlin(a), to_marlin(b)])
+
+
 def test_round_trip_uneven_g_idx_and_bf16() -> None:
     gen = torch.Generator().manual_seed(99)
     w = _rand_weight(4, False, 32, False, k=128, n=64)
@@ -297,6 +327,7 @@ def test_errors_name_the_numbers() -> None:
         gptq_marlin_repack(torch.zeros(4, 64, dtype=torch.int32), None, 64, 64, 4)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu() -> None:
     w = _rand_weight(4, False, 128, True)

@@ -35,6 +35,13 @@ from quantserve.kernels.marlin import MarlinWeight, marlin_zero_points, to_marli
 from quantserve.kernels.qweight import QuantizedWeight
 from quantserve.kernels.reference import dequantize_marlin, relative_error, w4a16_reference
 from quantserve.kernels.w4a16_cpu import CpuDenseKernel, CpuDequantKernel
+from quantserve.kernels.w4a16_plain import (
+    PlainConfig,
+    PlainState,
+    plain_dequantize,
+    plain_gemm,
+    prepare_plain,
+)
 from quantserve.kernels.w4a16_triton import (
     GemmConfig,
     TritonW4A16Kernel,
@@ -126,6 +133,27 @@ def test_triton_gemm_matches_reference(m, k, n, group, dtype, zp, act, bits):
     check(w4a16_gemm(x, prepare_marlin(mw)), x, mw)
 
 
+@pytest.mark.parametrize("m,k,n,group,dtype,zp,act,bits", CASES + _sweep())
+def test_plain_gemm_matches_reference(m, k, n, group, dtype, zp, act, bits):
+    """The K-packed kernel on every case whose groups it takes (the others keep the Marlin kernel), with a bias,
+    through the default config and two explicit ones (split-K with a K tail; FMAs)."""
+    mw = make_weight(k, n, group, bits, zp, act, scale_dtype=F16 if dtype == F32 else dtype)
+    state = prepare_plain(mw)
+    rows = k if group == -1 else group
+    if state is None:
+        assert act == "random" or rows % 32
+        return
+    x = activations(m, k, dtype)
+    bias = torch.randn(n).to(dtype)
+    check(plain_gemm(x, state, bias, interpret=True), x, mw, bias)
+    for cfg in (PlainConfig(16, 64, 32, split_k=3), PlainConfig(2, 64, 32, split_k=2, use_dot=False)):
+        check(plain_gemm(x, state, bias, config=cfg, interpret=True), x, mw, bias)
+    dense = dequantize_marlin(mw)
+    assert torch.equal(
+        plain_dequantize(state, F32, interpret=True), dense if state.perm is None else dense[state.perm]
+    )
+
+
 @pytest.mark.parametrize(
     "config,k,group,act",
     [
@@ -160,13 +188,14 @@ def test_triton_dequantize_is_exact(group, zp, act, bits):
     assert torch.equal(marlin_dequantize(prepare_marlin(mw), F32), dequantize_marlin(mw))
 
 
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "marlin"])
 @pytest.mark.parametrize("dtype", [F16, BF16])
-def test_triton_prefill_path_dequantizes_then_matmuls(dtype):
+def test_triton_prefill_path_dequantizes_then_matmuls(dtype, plain):
     mw = make_weight(256, 128, 64, zp=True, act="gptq", scale_dtype=dtype)
-    kernel = TritonW4A16Kernel(dequant_min_m=8)
-    assert (
-        kernel.path(8) == "dequant+matmul" and kernel.path(3) == "fused-dot" and kernel.path(2) == "fused-fma"
-    )
+    kernel = TritonW4A16Kernel(dequant_min_m=8, plain=plain)
+    assert isinstance(kernel.prepare(mw), PlainState) == plain
+    small = ("plain-dot", "plain-dot", "plain-fma") if plain else ("fused-dot", "fused-fma", "fused-fma")
+    assert kernel.path(8) == "dequant+matmul" and (kernel.path(3), kernel.path(2), kernel.path(1)) == small
     x = activations(9, 256, dtype)
     bias = torch.randn(128).to(dtype)
     # A dense bf16 weight is rounded to 8 significant bits (~1.2e-3 relative on the output, as in any bf16

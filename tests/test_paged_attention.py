@@ -1,0 +1,84 @@
+"""The paged decode-attention kernel against gather-then-SDPA in fp32: grouped heads, padded head sizes, contexts
+that end inside, at and just past a block, blocks in any order; under Triton's interpreter here, compiled on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton  # noqa: F401 - imported before TRITON_INTERPRET is set (see test_w4a16_kernels.py)
+
+from quantserve.kernels.paged_attention import paged_decode_attention
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(request, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if request.node.get_closest_marker("cuda") else "1")
+
+
+def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+    out = []
+    for b in range(q.shape[0]):
+        pos = torch.arange(int(lens[b]))
+        slots = tables[b, pos // block_size].long() * block_size + pos % block_size
+        k, v = k_cache[slots].double(), v_cache[slots].double()  # [C, KV, D]
+        o = F.scaled_dot_product_attention(
+            q[b, :, None].double(), k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True
+        )  # [H, 1, D]
+        out.append(o[:, 0])
+    return torch.stack(out)
+
+
+def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens) + 1
+    n_blocks = len(lens) * width + 3
+    slots = n_blocks * block_size
+    k_cache = torch.randn(slots, n_kv, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, n_kv, dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), n_heads, dim, generator=gen).to(dtype)
+    tables = (
+        torch.randperm(n_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    )
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables, lens_t, block_size, dim**-0.5)
+    ref = reference(*args)
+    out = paged_decode_attention(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    return out.cpu(), ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n_heads,n_kv,dim,lens",
+    [
+        (8, 2, 64, [1, 15, 16, 17, 100]),  # GQA 4: one block, the end of a block, just past it, many blocks
+        (4, 4, 80, [33, 7]),  # no grouping; head size 80 padded to 128
+        (14, 2, 64, [130]),  # group of 7 (SmolLM2-like 9/3 too: any G), contexts past two BLOCK_N
+        (9, 3, 64, [65, 3]),
+    ],
+)
+def test_matches_gather_then_sdpa(dtype, n_heads, n_kv, dim, lens):
+    out, ref = case("cpu", dtype, n_heads, n_kv, dim, lens)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1, 16, 17, 300, 4097], [128] * 64])
+@pytest.mark.parametrize("n_heads,n_kv,dim", [(32, 8, 128), (9, 3, 64)])
+def test_cuda_matches_gather_then_sdpa(dtype, lens, n_heads, n_kv, dim):
+    out, ref = case("cuda", dtype, n_heads, n_kv, dim, lens)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+def test_errors_name_the_shapes():
+    q = torch.zeros(1, 6, 64)
+    cache = torch.zeros(16, 4, 64)
+    with pytest.raises(ValueError, match="6 query heads are not a multiple of 4 KV heads"):
+        paged_decode_attention(
+            q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 16, 0.125
+        )
