@@ -186,10 +186,10 @@ def test_int4_at_load_answers_paris(smollm2_hf):
 
     llm = quantserve.load(str(smollm2_hf), backend="torch", quant="int4", ctx_size=512, max_num_seqs=1)
     try:
-        mlp = llm._runner.model.model.layers[0].mlp  # the loaded weights themselves
+        mlp = llm._runner.model.model.layers[0].mlp  # the loaded weights themselves (gate|up fused at load)
         # group 128 where K allows it (1536), 64 where it does not (576 = 4.5 x 128)
-        assert isinstance(mlp.down_proj, QuantLinear)
-        assert (mlp.down_proj.group_size, mlp.up_proj.group_size) == (128, 64)
+        assert isinstance(mlp.down_proj, QuantLinear) and isinstance(mlp.gate_up_proj, QuantLinear)
+        assert (mlp.down_proj.group_size, mlp.gate_up_proj.group_size) == (128, 64)
         assert "Paris" in greedy_chat(llm, 12)
     finally:
         llm.close()

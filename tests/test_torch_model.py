@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import transformers
+import triton  # noqa: F401 - before any test sets TRITON_INTERPRET (see test_w4a16_kernels.py)
 
 from quantserve.backends.torch.model import KVCache, ModelArgs, Transformer
 from quantserve.backends.torch.step import prepare_step
@@ -95,11 +96,19 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
                                         torch.float32, torch.device("cpu"))  # fmt: skip
 
 
+@pytest.mark.parametrize("paged_kernel", [False, True], ids=["gather", "kernel"])
 @pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
-def test_paged_forward_equals_whole_sequence(case, tmp_path):
+def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monkeypatch):
     """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
-    same step as two decodes), the others prefilled together in one padded call, then decoded together."""
+    same step as two decodes), the others prefilled together in one padded call, then decoded together. The
+    decodes attend through the gathered slots, or through the paged kernel (interpreted here) on block tables
+    with the fused kernels of kernels/fused.py; the whole-sequence forward is PyTorch's ops."""
+    if paged_kernel:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     _, ours = tiny_pair(case, tmp_path)
+    ours.use_fused_kernels(
+        paged_kernel
+    )  # with the kernel: the fused norm, rotary + KV write and silu kernels too
     bs = 4
     attach_cache(ours, num_blocks=32, block_size=bs)
     g = torch.Generator().manual_seed(2)
@@ -113,14 +122,53 @@ def test_paged_forward_equals_whole_sequence(case, tmp_path):
         # step 1: seq 0 first chunk (8), seq 1 whole prompt minus last token (5), seq 2 all but its last (8)
         # step 2: seq 0 the rest (5 after 8 cached), seqs 1 and 2 one token each (the decode call)
         for plan in ([(seqs[0], 8), (seqs[1], 5), (seqs[2], 8)], [(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)]):
-            step = prepare_step(plan, bs, torch.device("cpu"))
+            step = prepare_step(plan, bs, torch.device("cpu"), paged_kernel)
             hidden = ours(step.input_ids, step.positions, step)
             for s, n in plan:
                 s.num_computed += n
         got = ours.compute_logits(hidden[step.logits_index])
+        ours.use_fused_kernels(False)
         for j, s in enumerate(seqs):
             want = ours.compute_logits(ours(torch.tensor([s.tokens])))[0, -1]
             assert (got[j] - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2"])
+@pytest.mark.parametrize("int4", [False, True], ids=["dense", "int4"])
+def test_fused_projections_give_the_same_logits(case, int4, tmp_path):
+    """q|k|v and gate|up fused after loading (qwen2: with q/k/v biases; int4: Marlin weights concatenated) give
+    the unfused model's logits."""
+    from quantserve.backends.torch.fuse import fuse_projections
+    from quantserve.backends.torch.quant_linear import QuantLinear
+    from quantserve.backends.torch.weights import _set_module, decoder_linears
+    from quantserve.quant.rtn import quantize_rtn
+
+    if int4:  # Marlin needs N % 64: wider heads than TINY's
+        from quantserve.backends.torch.weights import _empty_model
+
+        cfg = {**TINY, "hidden_size": 128, "intermediate_size": 192, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "architectures": [CASES[case][0].__name__.replace("Config", "ForCausalLM")]}  # fmt: skip
+        torch.manual_seed(0)
+        ours = _empty_model(ModelArgs.from_hf_config(cfg), torch.float32, torch.device("cpu"))
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.normal_(0, 0.1)
+        for prefix in decoder_linears(ours):
+            lin = ours.get_submodule(prefix)
+            qw = quantize_rtn(lin.weight.detach(), bits=4, group_size=32, sym=True)
+            bias = None if lin.bias is None else lin.bias.detach()
+            _set_module(ours, prefix, QuantLinear.from_quantized(qw, bias, dtype=torch.float32,
+                                                                 device=torch.device("cpu"), name=prefix))  # fmt: skip
+    else:
+        _, ours = tiny_pair(case, tmp_path)
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours.compute_logits(ours(ids))
+        assert fuse_projections(ours) == 2 * len(ours.model.layers)
+        got = ours.compute_logits(ours(ids))
+    layer = ours.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and not hasattr(layer.self_attn, "q_proj")
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
 
 
 def test_a_paged_forward_makes_no_host_sync_inside_the_layers(tmp_path, monkeypatch):

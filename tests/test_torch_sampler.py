@@ -82,7 +82,7 @@ def test_filters_at_their_limit_are_greedy(params):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[CUDA, pytest.mark.cuda])])
 def test_seeded_sampling_is_reproducible_and_batch_independent(device):
     target = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 

@@ -34,6 +34,9 @@ class TorchSettings:
     # size the KV cache to fill gpu_memory_utilization of the GPU (vLLM's way); off (router mode, where several
     # models share the GPU): room for max_num_seqs sequences at full context, as on the CPU
     kv_fill_gpu: bool = True
+    cuda_graphs: bool = (
+        True  # replay decode steps as CUDA graphs (off: every step eager, vLLM's --enforce-eager)
+    )
 
 
 class ModelDefaults(Protocol):

@@ -75,6 +75,11 @@ class ServerSettings(BaseModel):
     flash_attn: Literal["auto", "on", "off"] = Field(
         default="auto", description="flash attention (auto: llama.cpp decides)"
     )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="torch backend on CUDA: replay decode steps as CUDA graphs, captured at start for batch sizes "
+        "up to --max-num-seqs (--no-cuda-graphs: every step eager, like vLLM's --enforce-eager)",
+    )
     seed: int | None = Field(default=None, description="default seed for requests that give none")
     mmproj: str | None = Field(
         default=None,

@@ -31,6 +31,7 @@ def load_torch(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
             "Marlin). Serve it with --backend llamacpp, or convert it with `quantserve convert --src "
             f"{spec.path} --dst DIR`"
         )
+    from quantserve.backends.torch.fuse import fuse_projections
     from quantserve.backends.torch.runner import TorchRunner
     from quantserve.backends.torch.tokenizer import HFTokenizer
     from quantserve.backends.torch.weights import load_model
@@ -40,6 +41,7 @@ def load_torch(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
     device, dtype = pick_device_dtype(spec.config or {})
     tokenizer = HFTokenizer.from_dir(spec.directory)
     model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
+    fuse_projections(model)
     vision = image_config = None
     if is_llava(spec.config or {}):
         from quantserve.backends.torch.llava import load_vision

@@ -20,6 +20,8 @@ from torch import nn
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import StepBatch
 from quantserve.errors import UnsupportedFormatError
+from quantserve.kernels import fused
+from quantserve.kernels.paged_attention import paged_decode_attention
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -93,12 +95,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.triton_ops = (
+            False  # one Triton kernel (kernels/fused.py) instead of PyTorch's ops: set by use_fused_kernels
+        )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 like transformers' LlamaRMSNorm, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise in fp32 like transformers' LlamaRMSNorm, then scale in the model dtype. With `residual`:
+        the norm of x + residual, returned with that sum (the next residual), as vLLM's fused_add_rms_norm."""
+        if self.triton_ops:
+            return fused.rms_norm(x, self.weight, self.eps, residual)
+        return fused.rms_norm_ref(x, self.weight, self.eps, residual)
 
 
 class KVCache:
@@ -125,35 +133,63 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.qkv_proj: nn.Module | None = None  # q|k|v in one, when fused after loading
+        self.qkv_sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
         self.cache: KVCache | None = None  # set by the runner for paged serving
+        self.triton_ops = (
+            False  # rotary embedding and KV write in one Triton kernel: set by use_fused_kernels
+        )
 
     def forward(self, x: torch.Tensor, rope: Rope, step: StepBatch | None = None) -> torch.Tensor:
         """x [B, T, D] (whole sequences, causal) or [T, D] with `step` (paged)."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if self.qkv_proj is not None:  # fused after loading (backends/torch/fuse.py)
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(*lead, self.n_heads, self.head_dim)
+        k = k.view(*lead, self.n_kv, self.head_dim)
+        v = v.view(*lead, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step is None:  # [B, T, H, D] -> SDPA's [B, H, T, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             ).transpose(1, 2)
         else:
-            out = self._paged(q, k, v, step)
+            cache = self.cache
+            assert cache is not None, "paged forward needs a KV cache"
+            if self.triton_ops and not self.head_dim & (self.head_dim - 1):
+                q = fused.rope_and_cache(q, k, v, cos, sin, step.slot_mapping, cache.k, cache.v)
+            else:
+                q = fused.rope_and_cache_ref(q, k, v, cos, sin, step.slot_mapping, cache.k, cache.v)
+            out = self._paged(q, step)
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
 
-    def _paged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepBatch) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KV, D]: store the new K/V in their slots, then attend over each sequence's context:
-        one call for the decoding sequences, one for the prefilling ones (all indices prepared once per step)."""
+    def _paged(self, q: torch.Tensor, step: StepBatch) -> torch.Tensor:
+        """q [T, H, D] (the new K/V already in their slots): attend over each sequence's context, one call for
+        the decoding sequences, one for the prefilling ones (all indices prepared once per step)."""
         cache = self.cache
-        assert cache is not None, "paged forward needs a KV cache"
-        cache.k[step.slot_mapping] = k
-        cache.v[step.slot_mapping] = v
+        assert cache is not None
+        d = step.decode
+        if d is not None and d.kv_slots is None and step.prefill is None:  # all tokens decode, in order
+            return paged_decode_attention(
+                q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.head_dim**-0.5
+            )
         out = torch.empty_like(q)
-        if (d := step.decode) is not None:
+        if d is not None and d.kv_slots is None:
+            out[d.q_index] = paged_decode_attention(
+                q[d.q_index],
+                cache.k,
+                cache.v,
+                d.block_tables,
+                d.context_lens,
+                d.block_size,
+                self.head_dim**-0.5,
+            )
+        elif d is not None:
             keys = cache.k[d.kv_slots].transpose(1, 2)  # [B, KV, C, D]
             vals = cache.v[d.kv_slots].transpose(1, 2)
             o = F.scaled_dot_product_attention(
@@ -176,8 +212,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate|up in one, when fused after loading
+        self.triton_ops = False  # silu(gate) * up in one Triton kernel: set by use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            return self.down_proj(fused.silu_mul(gate_up) if self.triton_ops else fused.silu_mul_ref(gate_up))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -190,10 +231,27 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope, step: StepBatch | None = None) -> torch.Tensor:
-        """x [B, T, D] or [T, D] (with `step`); `rope` is the model's cos/sin for these tokens' positions."""
-        h = x + self.self_attn(self.input_layernorm(x), rope, step)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        step: StepBatch | None = None,
+        residual: torch.Tensor | None = None,
+        split: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] or [T, D] (with `step`); `rope` is the model's cos/sin for these tokens' positions.
+
+        Returns the layer's output; with `split` (the model's own loop, vLLM's layout) as (this MLP's output, the
+        residual stream before it), so that every add happens inside the next norm. `residual`: x is then the
+        previous layer's split MLP output, not yet added to it."""
+        if residual is None:
+            h, res = self.input_layernorm(x), x
+        else:
+            h, res = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, step)
+        h, res = self.post_attention_layernorm(h, res)
+        h = self.mlp(h)
+        return (h, res) if split else h + res
 
 
 class Backbone(nn.Module):
@@ -232,9 +290,17 @@ class Transformer(nn.Module):
         # each image position takes its image's embedding instead of its token's
         if step is not None and step.image_embeds is not None:
             x[step.image_rows] = step.image_embeds.to(x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope, step)
-        return self.model.norm(x)
+            x, residual = layer(x, rope, step, residual, split=True)
+        return self.model.norm(x, residual)[0]
+
+    def use_fused_kernels(self, on: bool) -> None:
+        """Run norms, rotary + KV write and silu * up as the Triton kernels of kernels/fused.py (CUDA, or the
+        interpreter in tests), or as PyTorch ops: the same arithmetic either way."""
+        for m in self.modules():
+            if isinstance(m, RMSNorm | Attention | MLP):
+                m.triton_ops = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

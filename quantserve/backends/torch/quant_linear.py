@@ -16,10 +16,20 @@ from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
 
 
 class QuantLinear(nn.Module):
-    def __init__(self, marlin: MarlinWeight, layer: W4A16Linear, bias: torch.Tensor | None, name: str):
+    def __init__(
+        self,
+        marlin: MarlinWeight,
+        layer: W4A16Linear,
+        bias: torch.Tensor | None,
+        name: str,
+        dtype: torch.dtype,
+    ):
         super().__init__()
+        self.activation_dtype = dtype  # what the kernel was prepared for
         self.in_features, self.out_features = marlin.K, marlin.N
-        self.bits, self.group_size = marlin.bits, marlin.group_size  # the packed weight lives in layer.state
+        self.bits, self.group_size = marlin.bits, marlin.group_size
+        # kept until fuse_projections has run (the Triton K-packed state is a copy, the others alias or unpack it)
+        self.marlin: MarlinWeight | None = marlin
         self.layer = layer
         self.name = name
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -51,11 +61,28 @@ class QuantLinear(nn.Module):
         )
         try:
             marlin = to_marlin(qw, name)
+        except QuantLayoutError as exc:
+            raise ConfigError(f"{name}: {exc}; serve this model with --backend llamacpp instead") from exc
+        return cls.from_marlin(marlin, bias, dtype=dtype, device=device, name=name, kernel=kernel)
+
+    @classmethod
+    def from_marlin(
+        cls,
+        marlin: MarlinWeight,
+        bias: torch.Tensor | None,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        name: str,
+        kernel: str | None = None,
+    ) -> QuantLinear:
+        """Prepare a kernel for a weight already in the Marlin layout on `device`. Raises ConfigError."""
+        try:
             layer = prepare_w4a16(marlin, dtype, device, kernel)
         except (QuantLayoutError, KernelUnavailableError) as exc:
             raise ConfigError(f"{name}: {exc}; serve this model with --backend llamacpp instead") from exc
         b = None if bias is None else bias.to(device, dtype)
-        return cls(marlin, layer, b, name)
+        return cls(marlin, layer, b, name, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]"""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from quantserve.backends.torch.graphs import DecodeGraphs
 from quantserve.backends.torch.model import KVCache, Transformer
 from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.backends.torch.step import prepare_step
@@ -16,6 +17,7 @@ from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError
+from quantserve.kernels import paged_attention
 from quantserve.structured import Vocabulary
 
 if TYPE_CHECKING:
@@ -49,7 +51,7 @@ def size_kv_cache(
         torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - own.gpu_memory_utilization) * total - 512 * 2**20  # activations
-        blocks = int(budget // per_block)
+        blocks = int(budget // per_block) - 1  # the runner adds a scratch block
         if blocks < -(-n_ctx // own.block_size):
             raise ConfigError(
                 f"only {max(budget, 0) / 2**30:.1f} GiB of GPU memory is left for the KV cache, less than one "
@@ -101,11 +103,20 @@ class TorchRunner:
                 "needs; raise --kv-size or lower --ctx-size",
                 param="kv_size",
             )
+        # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers slots.
+        self.paged_kernel = paged_attention.can_run(device)[0]
+        model.use_fused_kernels(
+            self.paged_kernel
+        )  # norms, rotary + KV write, silu * up: Triton where it runs
         a = model.args
+        # One block more than the ledger hands out: the scratch block that unused CUDA-graph rows write to.
         for layer in model.model.layers:
             layer.self_attn.cache = KVCache(
-                num_blocks * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
+                (num_blocks + 1) * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
             )
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
+            self.graphs = self.decode_graphs(capture=True)
         self.sampler = Sampler(device, self.n_vocab)
         self.tokens_computed = 0  # tokens fed through the model, in all (prefix-cache hits are not)
         log.info(
@@ -115,6 +126,20 @@ class TorchRunner:
             self.n_kv_cells,
             self.n_kv_cells * kv_bytes_per_token(model, dtype) / 2**30,
             device,
+        )
+
+    def decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """CUDA graphs of the decode step for up to max_num_seqs sequences (capture=False: the same buffers,
+        run eagerly; for tests)."""
+        return DecodeGraphs(
+            self.model,
+            max_batch=self.settings.max_num_seqs,
+            max_blocks=-(-self.n_ctx // self.block_size),
+            block_size=self.block_size,
+            scratch_block=self.n_kv_cells // self.block_size,
+            n_ctx=self.n_ctx,
+            device=self.device,
+            capture=capture,
         )
 
     # ---- tokens -----------------------------------------------------------------------------------
@@ -147,16 +172,20 @@ class TorchRunner:
     # ---- execution --------------------------------------------------------------------------------
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
-        step = prepare_step(plan, self.block_size, self.device)
+        step = prepare_step(plan, self.block_size, self.device, self.paged_kernel)
         if step.image_pieces:
             step.image_embeds = self._image_embeds(plan, step.image_pieces)
         top = max(seq.num_computed + n for seq, n in plan) - 1  # the largest position: no device lookup
         with torch.inference_mode():
-            hidden = self.model(step.input_ids, step.positions, step, max_position=top)  # [T, D]
             sampled: list[SampledToken] = []
-            if step.sampled:
-                logits = self.model.compute_logits(hidden[step.logits_index])  # [S, V] fp32
-                sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
+            if self.graphs is not None and self.graphs.fits(step, len(plan)):
+                logits = self.graphs.run(step)  # [B, V] fp32, every sequence sampled
+                sampled = self.sampler.sample(logits, [seq for seq, _ in plan])
+            else:
+                hidden = self.model(step.input_ids, step.positions, step, max_position=top)  # [T, D]
+                if step.sampled:
+                    logits = self.model.compute_logits(hidden[step.logits_index])  # [S, V] fp32
+                    sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
         results: list[SampledToken | None] = [None] * len(plan)
         for k, tok in zip(step.sampled, sampled, strict=True):
             results[k] = tok

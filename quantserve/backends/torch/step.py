@@ -3,8 +3,10 @@ gather indices and masks each attention call needs (nano-vllm's prepare_prefill/
 
 Everything is built on the host from the plan's Python lists and moved to the device once; the layers then only
 index and call attention, with no host synchronisation and no Python loop over sequences. Decoding sequences (one
-new token) attend together in one call; prefilling sequences (several new tokens, after any cached prefix) attend
-together in another, padded to the longest chunk and the longest context (a varlen batch as padded tensors).
+new token) attend together in one call, given as block tables and context lengths: the paged kernel
+(kernels/paged_attention.py) reads those directly, and without it the slots to gather are derived from them on the
+device once per step. Prefilling sequences (several new tokens, after any cached prefix) attend together in
+another call, padded to the longest chunk and the longest context (a varlen batch as padded tensors).
 """
 
 from __future__ import annotations
@@ -21,8 +23,20 @@ class DecodeBatch:
     """Sequences with one new token: row i is token q_index[i] of the flat batch."""
 
     q_index: torch.Tensor  # int64 [B]
-    kv_slots: torch.Tensor  # int64 [B, C]: cache slots of each row's context, padded with slot 0
-    mask: torch.Tensor  # bool [B, 1, 1, C]: the real context positions
+    block_tables: torch.Tensor  # int32 [B, W]: each row's cache blocks, padded with block 0
+    context_lens: torch.Tensor  # int32 [B]: positions each row attends to, its new token included
+    block_size: int
+    # Without the paged kernel (CPU): the cache slots of each row's context, padded with slot 0, and which are real
+    kv_slots: torch.Tensor | None = None  # int64 [B, W * block_size]
+    mask: torch.Tensor | None = None  # bool [B, 1, 1, W * block_size]
+
+    def gather_indices(self) -> None:
+        """Fill kv_slots and mask from the block tables, on the device (for attention without the kernel)."""
+        pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.block_tables.device)
+        self.kv_slots = (
+            self.block_tables.long()[:, pos // self.block_size] * self.block_size + pos % self.block_size
+        )
+        self.mask = (pos[None, :] < self.context_lens[:, None])[:, None, None]
 
 
 @dataclass
@@ -59,12 +73,15 @@ def _slots(table: list[int], start: int, stop: int, block_size: int) -> list[int
     return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
-def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torch.device) -> StepBatch:
-    """The step's batch: for each planned (sequence, n), its next n tokens after num_computed."""
+def prepare_step(
+    plan: list[tuple[Sequence, int]], block_size: int, device: torch.device, paged_kernel: bool = False
+) -> StepBatch:
+    """The step's batch: for each planned (sequence, n), its next n tokens after num_computed. `paged_kernel`:
+    decode attention runs kernels/paged_attention.py, which reads block tables (else slots are gathered)."""
     ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
-    decode_rows: list[tuple[int, list[int]]] = []  # (token index, context slots)
+    decode_rows: list[tuple[int, int, list[int]]] = []  # (token index, context, its blocks)
     prefill_rows: list[tuple[int, int, int, list[int]]] = []  # (first token index, n, context, context slots)
     logits_index: list[int] = []
     sampled: list[int] = []
@@ -76,11 +93,10 @@ def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torc
         ids.extend(seq.tokens[start:ctx])
         positions.extend(range(start, ctx))
         slot_mapping.extend(_slots(seq.block_table, start, ctx, block_size))
-        context = _slots(seq.block_table, 0, ctx, block_size)
         if n == 1:
-            decode_rows.append((first, context))
+            decode_rows.append((first, ctx, seq.block_table[: -(-ctx // block_size)]))
         else:
-            prefill_rows.append((first, n, ctx, context))
+            prefill_rows.append((first, n, ctx, _slots(seq.block_table, 0, ctx, block_size)))
         for i, span in enumerate(seq.images):
             lo, hi = max(span.offset, start), min(span.end, ctx)
             if lo < hi:
@@ -95,14 +111,15 @@ def prepare_step(plan: list[tuple[Sequence, int]], block_size: int, device: torc
 
     decode = None
     if decode_rows:
-        width = max(len(c) for _, c in decode_rows)
+        width = max(len(t) for _, _, t in decode_rows)
         decode = DecodeBatch(
-            q_index=tensor([i for i, _ in decode_rows]),
-            kv_slots=tensor([c + [0] * (width - len(c)) for _, c in decode_rows]),
-            mask=tensor([[j < len(c) for j in range(width)] for _, c in decode_rows], torch.bool)[
-                :, None, None
-            ],
+            q_index=tensor([i for i, _, _ in decode_rows]),
+            block_tables=tensor([t + [0] * (width - len(t)) for _, _, t in decode_rows], torch.int32),
+            context_lens=tensor([ctx for _, ctx, _ in decode_rows], torch.int32),
+            block_size=block_size,
         )
+        if not paged_kernel:
+            decode.gather_indices()
     prefill = None
     if prefill_rows:
         q_width = max(n for _, n, _, _ in prefill_rows)
