@@ -1,12 +1,14 @@
-"""End-to-end decode speed of the torch backend: a Llama-3-8B-shaped model with random weights, 4-bit (Marlin
-W4A16 kernels) against fp16, at batch 1 and 16, through the same paged-KV forward the engine uses.
+"""Decode speed of the torch backend: a Llama-3-8B-shaped model with random weights, 4-bit (Marlin W4A16 kernels)
+and fp16, at batch 1, 16 and 64, each step through the runner's own `execute` (host layout, the paged forward,
+greedy sampling), eager and replayed from CUDA graphs.
 
-    .venv/bin/python bench/torch_decode.py --out bench/results/torch-decode-<device>.json     # on a CUDA GPU
-    .venv/bin/python bench/torch_decode.py --cpu-smoke                                         # tiny shape, CPU
+    python bench/torch_decode.py --out decode.json                 # on a CUDA GPU
+    python bench/torch_decode.py --cpu-smoke                       # tiny shape, CPU, eager only
 
 Random weights of real shapes: the device machines have no network, and speed does not depend on the values.
-Timing: CUDA events around `--steps` decode steps after `--warmup` steps, each step one token for every sequence,
-with `--ctx` tokens already in the cache.
+Timing: host clock around `--steps` decode steps after `--warmup` steps (each step ends in the sampler reading
+the tokens back, so the clock sees finished work), each step one token for every sequence, with `--ctx` tokens
+already in the cache.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import platform
 import time
+import traceback
 
 import torch
 
@@ -25,117 +28,146 @@ LLAMA3_8B = dict(
 )  # fmt: skip
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 
 
 def build(cfg: dict, bits: int | None, dtype: torch.dtype, device: torch.device):
+    """The model with random weights; with `bits`, every decoder linear is a random `bits`-bit GPTQ-style weight
+    (group 128) repacked to Marlin on the device, and never held dense."""
+    from quantserve.backends.torch.fuse import fuse_projections
     from quantserve.backends.torch.model import ModelArgs
     from quantserve.backends.torch.quant_linear import QuantLinear
-    from quantserve.backends.torch.weights import _empty_model, _set_module, decoder_linears
+    from quantserve.backends.torch.weights import _empty_model, _set_module
     from quantserve.kernels.qweight import QuantizedWeight
 
     args = ModelArgs.from_hf_config(cfg)
-    model = _empty_model(args, dtype, device)
+    prefixes = [f"model.layers.{i}.{name}" for i in range(args.num_hidden_layers) for name in LINEARS]
+    model = _empty_model(args, dtype, device, drop=prefixes if bits else ())
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
     if bits:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        for prefix in decoder_linears(model):
-            lin = model.get_submodule(prefix)
-            k, n = lin.in_features, lin.out_features
+        g = torch.Generator(device=device).manual_seed(0)
+        shapes = {"q_proj": (args.hidden_size, args.num_attention_heads * args.head_dim),
+                  "k_proj": (args.hidden_size, args.num_key_value_heads * args.head_dim),
+                  "o_proj": (args.num_attention_heads * args.head_dim, args.hidden_size),
+                  "gate_proj": (args.hidden_size, args.intermediate_size),
+                  "down_proj": (args.intermediate_size, args.hidden_size)}  # fmt: skip
+        shapes["v_proj"], shapes["up_proj"] = shapes["k_proj"], shapes["gate_proj"]
+        for prefix in prefixes:
+            k, n = shapes[prefix.rsplit(".", 1)[1]]
             qw = QuantizedWeight(
-                torch.randint(0, 1 << bits, (k, n), dtype=torch.uint8, generator=g),
-                torch.rand(k // 128, n, generator=g).half() * 0.01, None, bits, 128,
+                torch.randint(0, 1 << bits, (k, n), dtype=torch.uint8, generator=g, device=device),
+                (torch.rand(k // 128, n, generator=g, device=device) * 0.01).half(), None, bits, 128,
             )  # fmt: skip
             _set_module(
                 model, prefix, QuantLinear.from_quantized(qw, None, dtype=dtype, device=device, name=prefix)
             )
+    fuse_projections(model)  # as the server's loader does
     return model.eval()
 
 
-def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, device: torch.device) -> float:
-    """Decode tokens/s of `batch` sequences at about `ctx` tokens of context, each step laid out by the runner's
-    own prepare_step (so its host work is counted) and run through the paged forward."""
-    from quantserve.backends.torch.model import KVCache
-    from quantserve.backends.torch.step import prepare_step
+def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, runner) -> float:
+    """Decode tokens/s of `batch` sequences at about `ctx` tokens of context through `runner.execute`."""
     from quantserve.core.detokenizer import IncrementalDetokenizer
     from quantserve.core.sampling_params import SamplingParams
     from quantserve.core.sequence import Sequence
 
-    a, bs = model.args, 16
-    blocks_per_seq = -(-(ctx + steps + warmup + 1) // bs)
-    dtype = model.model.embed_tokens.weight.dtype
-    for layer in model.model.layers:
-        layer.self_attn.cache = KVCache(
-            batch * blocks_per_seq * bs, a.num_key_value_heads, a.head_dim, dtype, device
-        )
+    bs = runner.block_size
+    per_seq = -(-(ctx + steps + warmup + 1) // bs)
     seqs = []
     for i in range(batch):
-        s = Sequence(str(i), [1] * (ctx + 1), SamplingParams(), IncrementalDetokenizer(), 1 << 30)
-        s.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        s = Sequence(
+            str(i), [1] * (ctx + 1), SamplingParams(temperature=0.0), IncrementalDetokenizer(), 1 << 30
+        )
+        s.block_table = list(range(i * per_seq, (i + 1) * per_seq))
         s.num_computed = ctx  # as if the prompt were in the cache (its values do not change the cost)
         seqs.append(s)
+    plan = [(s, 1) for s in seqs]
 
     def step() -> None:
-        b = prepare_step([(s, 1) for s in seqs], bs, device)
-        hidden = model(b.input_ids, b.positions, b, max_position=seqs[0].num_computed)
-        model.compute_logits(hidden[b.logits_index]).argmax(-1)
-        for s in seqs:
-            s.num_computed += 1
-            s.tokens.append(1)
+        for s, tok in zip(seqs, runner.execute(plan), strict=True):
+            s.tokens.append(tok.token)
 
-    with torch.inference_mode():
-        for _ in range(warmup):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    for _ in range(warmup):
+        step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
     return batch * steps / (time.perf_counter() - t)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--modes", default="eager,graphs", help="eager and/or graphs (CUDA only)")
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="a tiny model on the CPU, to check the script runs"
     )
     ap.add_argument("--out", default=None, help="write the results as JSON")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    from quantserve.backends.torch.runner import TorchRunner
+    from quantserve.core.settings import EngineSettings
+
+    ap = parser()
+    args = ap.parse_args(argv)
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     cfg, dtype = (TINY, torch.float32) if smoke else (LLAMA3_8B, torch.float16)
-    rows = []
-    for bits in (None, 4):
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = ["eager"] if smoke else args.modes.split(",")
+    rows, errors = [], []
+    for bits in (4, None):
+        weights = f"int{bits}" if bits else str(dtype).removeprefix("torch.")
+        t0 = time.perf_counter()
         model = build(cfg, bits, dtype, device)
-        for batch in (int(b) for b in args.batches.split(",")):
-            tps = decode_speed(model, batch, args.ctx, args.steps, args.warmup, device)
-            rows.append({"weights": f"int{bits}" if bits else str(dtype).removeprefix("torch."), "batch": batch,
-                         "tok_per_s": round(tps, 1)})  # fmt: skip
-            print(rows[-1], flush=True)
+        print(f"{weights} model built in {time.perf_counter() - t0:.1f} s", flush=True)
+        for mode in modes:
+            try:
+                kv = max(batches) * (args.ctx + args.steps + args.warmup + 32)
+                settings = EngineSettings.from_options(
+                    ctx_size=args.ctx + args.steps + args.warmup + 16, max_num_seqs=max(batches), kv_size=kv,
+                    cuda_graphs=mode == "graphs",
+                )  # fmt: skip
+                t0 = time.perf_counter()
+                runner = TorchRunner(model, None, settings, device)
+                setup_s = time.perf_counter() - t0
+                for batch in batches:
+                    tps = decode_speed(model, batch, args.ctx, args.steps, args.warmup, runner)
+                    rows.append({"weights": weights, "mode": mode, "batch": batch, "tok_per_s": round(tps, 1),
+                                 "runner_setup_s": round(setup_s, 1)})  # fmt: skip
+                    print(rows[-1], flush=True)
+                del runner
+            except Exception as exc:  # noqa: BLE001 - one mode failing must not hide the others' numbers
+                errors.append(f"{weights} {mode}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            for layer in model.model.layers:
+                layer.self_attn.cache = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     info = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "shape": "tiny (smoke)" if smoke else "Llama-3-8B", "ctx": args.ctx,
-        "steps": args.steps, "rows": rows,
+        "steps": args.steps, "rows": rows, "errors": errors,
     }  # fmt: skip
-    fp = {r["batch"]: r["tok_per_s"] for r in rows if r["weights"] != "int4"}
-    print("| weights | batch | tok/s | vs fp16 |\n|---|---|---|---|")
+    print("| weights | mode | batch | tok/s |\n|---|---|---|---|")
     for r in rows:
-        print(
-            f"| {r['weights']} | {r['batch']} | {r['tok_per_s']} | {r['tok_per_s'] / fp[r['batch']]:.2f}x |"
-        )
+        print(f"| {r['weights']} | {r['mode']} | {r['batch']} | {r['tok_per_s']} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(info, f, indent=2)
+    raise SystemExit(1 if errors else 0)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from quantserve.kernels.dispatch import KERNELS
 from quantserve.kernels.marlin import MarlinWeight, to_marlin
 from quantserve.kernels.qweight import QuantizedWeight
 from quantserve.kernels.reference import relative_error, w4a16_reference
-from quantserve.kernels.w4a16_triton import GemmConfig, TritonW4A16Kernel, marlin_dequantize, w4a16_gemm
+from quantserve.kernels.w4a16_plain import PlainConfig, plain_dequantize, plain_gemm
+from quantserve.kernels.w4a16_triton import TritonW4A16Kernel, prepare_marlin, w4a16_gemm
 
 LLAMA3_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 SMOLLM2 = {"q/o": (576, 576), "k/v": (576, 192), "gate/up": (576, 1536), "down": (1536, 576)}
@@ -94,38 +95,68 @@ def graph_time_us(calls: list[Callable[[], object]], iters: int = 20, repeats: i
     return statistics.median(samples)
 
 
-def _dequant_mm(x: torch.Tensor, state) -> torch.Tensor:
-    return x @ marlin_dequantize(state, x.dtype)
+def _plain_dequant_mm(x: torch.Tensor, state) -> torch.Tensor:
+    w = plain_dequantize(state, x.dtype)
+    return (x if state.perm is None else x[:, state.perm]) @ w
+
+
+def tinygemm_weight(q: torch.Tensor, scales: torch.Tensor, group: int, inner_k_tiles: int = 8):
+    """torch's int4 weight-only operands (`_weight_int4pack_mm`, tinygemm) for the same symmetric weight as
+    ours: W[k, n] = (q[k, n] - 8) * scales[k // group, n], q in [0, 15]. tinygemm's dequantization is
+    (q - 8) * scale + zero, so zero = 0 (torchao's pack_tinygemm_scales_and_zeros layout: [K/G, N, 2])."""
+    qt = q.t().contiguous().to(torch.int32)  # [N, K]
+    packed = ((qt[:, ::2] << 4) | qt[:, 1::2]).to(torch.uint8)
+    w = torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles)
+    sz = torch.stack([scales.to(torch.bfloat16), torch.zeros_like(scales, dtype=torch.bfloat16)], dim=-1)
+    return w, sz.contiguous()
+
+
+def tinygemm_check(device: str) -> dict:
+    """tinygemm against the fp32 reference on our weight: proves the operands above mean the same weight."""
+    k, n, group = 4096, 4096, 128
+    gen = torch.Generator(device=device).manual_seed(5)
+    q = torch.randint(0, 16, (k, n), generator=gen, device=device, dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, generator=gen, device=device) * 0.02 + 0.002).to(torch.bfloat16)
+    x = torch.randn(16, k, device=device, dtype=torch.bfloat16)
+    w, sz = tinygemm_weight(q, scales, group)
+    out = torch.ops.aten._weight_int4pack_mm(x, w, group, sz)
+    mw = to_marlin(QuantizedWeight(q, scales, None, 4, group))
+    err = relative_error(out, w4a16_reference(x, mw).to(torch.bfloat16))
+    return {"rel_err": err, "ok": err < 1e-2}
 
 
 def copies_for(nbytes: int) -> int:
     return max(1, min(64, -(-L2_FLUSH_BYTES // nbytes)))
 
 
-def sweep_configs(m: int) -> list[GemmConfig]:
-    """A grid around the heuristic for --sweep (50-100 configs per M; each new one compiles once, ~1 s)."""
+def sweep_configs(m: int) -> list[PlainConfig]:
+    """A grid around the K-packed kernel's heuristic for --sweep (each new config compiles once, ~1 s)."""
     out = []
-    small = 1 << (m - 1).bit_length()
     tiles = (
-        [(small, False), (16, True)]
-        if m <= 4
+        [(1, False), (16, True)]
+        if m == 1
         else [(b, True) for b in (16, 32, 64, 128) if 16 <= b <= max(16, 2 * m)]
     )
     for bm, use_dot in tiles:
-        for bn in (64, 128, 256) if m <= 16 else (128, 256):
+        for bn in (64, 128, 256):
             for bk in (64, 128):
-                for split in (1, 2, 4, 8, 16) if m <= 16 else (1, 2, 4) if m <= 64 else (1, 2):
+                for split in (1, 2, 4, 8) if m <= 16 else (1, 2) if m <= 64 else (1,):
                     for warps in (4, 8):
-                        out.append(GemmConfig(bm, bn, bk, split, use_dot, warps, 4 if m <= 16 else 3))
+                        out.append(PlainConfig(bm, bn, bk, split, use_dot, warps, 4 if m <= 16 else 3))
     return out
 
 
-def sweep(x: torch.Tensor, states: list, m: int) -> tuple[float, GemmConfig] | None:
-    """Fastest config for this shape and M; configs that do not compile (shared memory) are skipped."""
+def sweep(
+    x: torch.Tensor, states: list, m: int, deadline: float = float("inf")
+) -> tuple[float, PlainConfig] | None:
+    """Fastest config of the K-packed kernel for this shape and M; configs that do not compile (shared memory)
+    are skipped; stops at `deadline` (time.perf_counter) with the best so far."""
     best = None
     for config in sweep_configs(m):
+        if time.perf_counter() > deadline:
+            break
         try:
-            us = graph_time_us([partial(w4a16_gemm, x, s, config=config) for s in states], 5, 3)
+            us = graph_time_us([partial(plain_gemm, x, s, config=config) for s in states], 5, 3)
         except Exception as exc:  # noqa: BLE001 - a config the GPU cannot hold is just not a candidate
             print(f"  skip {config}: {type(exc).__name__}")
             continue
@@ -155,27 +186,69 @@ def gpu_main(args: argparse.Namespace) -> dict:
         print(f"check {row['kernel']} K={row['K']} N={row['N']} M={row['M']} {row['path']}: "
               f"rel err {row['rel_err']:.2e} {'ok' if row['ok'] else 'FAIL'}")  # fmt: skip
     kernel = TritonW4A16Kernel(dequant_min_m=args.dequant_min_m)
+    tiny = None
+    if args.tinygemm:
+        try:
+            report["tinygemm_check"] = tinygemm_check(device)
+            tiny = True  # timed even if the check fails: the same bytes move; the report shows the check
+            print(f"tinygemm check: rel err {report['tinygemm_check']['rel_err']:.2e}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a torch without the op: the table says so
+            report["tinygemm_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"tinygemm unavailable: {exc}", flush=True)
     rows = []
+    sweep_left = args.sweep_budget
     for name, (k, n) in ((s, LLAMA3_8B[s]) for s in args.shapes):
         w16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * k * n))]
-        states = [
-            kernel.prepare(random_marlin(k, n, args.group, device, dtype, s))
-            for s in range(copies_for(k * n // 2))
-        ]
+        other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+        w16b = [w.to(other) for w in w16] if args.both_dtypes else []
+        mws = [random_marlin(k, n, args.group, device, dtype, s) for s in range(copies_for(k * n // 2))]
+        states = [kernel.prepare(mw) for mw in mws]  # the K-packed copies (w4a16_plain.py)
+        marlin_states = [prepare_marlin(mw) for mw in mws] if args.marlin else []
+        tg = []
+        if tiny:
+            for s in range(copies_for(k * n // 2)):
+                g = torch.Generator(device=device).manual_seed(s)
+                q = torch.randint(0, 16, (k, n), generator=g, device=device, dtype=torch.uint8)
+                tg.append(
+                    tinygemm_weight(q, torch.rand(k // args.group, n, device=device) * 0.02, args.group)
+                )
         for m in args.m:
             x = torch.randn(m, k, device=device, dtype=dtype)
-            row = {"shape": name, "K": k, "N": n, "M": m, "path": kernel.path(m)}
+            row = {"shape": name, "K": k, "N": n, "M": m, "path": kernel.path(m, states[0])}
             row["dense_us"] = graph_time_us([partial(F.linear, x, w) for w in w16])
+            if w16b:
+                xb = x.to(other)
+                row[f"dense_{'bf16' if other == torch.bfloat16 else 'fp16'}_us"] = graph_time_us(
+                    [partial(F.linear, xb, w) for w in w16b]
+                )
             row["w4a16_us"] = graph_time_us([partial(kernel.apply, s, x) for s in states])
+            if marlin_states and m < args.dequant_min_m:  # the Marlin-layout kernel, for comparison
+                row["marlin_us"] = graph_time_us([partial(w4a16_gemm, x, s) for s in marlin_states])
+            if tg:
+                xb = x.to(torch.bfloat16)
+                row["tinygemm_us"] = graph_time_us(
+                    [partial(torch.ops.aten._weight_int4pack_mm, xb, w, args.group, sz) for w, sz in tg]
+                )
             big = m >= 32  # where the fused-vs-dequant crossover can be
-            row["fused_us"] = graph_time_us([partial(w4a16_gemm, x, s) for s in states]) if big else None
+            sms = props.multi_processor_count
+            row["fused_us"] = (
+                graph_time_us([partial(plain_gemm, x, s, sm_count=sms) for s in states]) if big else None
+            )
             row["dequant_mm_us"] = (
-                graph_time_us([partial(_dequant_mm, x, s) for s in states]) if big else None
+                graph_time_us([partial(_plain_dequant_mm, x, s) for s in states]) if big else None
             )
             row["speedup"] = row["dense_us"] / row["w4a16_us"]
-            best = sweep(x, states, m) if args.sweep and m < args.dequant_min_m else None
-            if best is not None:
+            best = None
+            if m in args.sweep_m and m < args.dequant_min_m and sweep_left > 0:
+                t0 = time.perf_counter()
+                best = sweep(x, states, m, deadline=t0 + sweep_left)
+                sweep_left -= time.perf_counter() - t0
+            if best is not None:  # the winner must also be right
+                err = relative_error(
+                    plain_gemm(x, states[0], config=best[1]), w4a16_reference(x, mws[0]).to(dtype)
+                )
                 row["sweep_best_us"], row["sweep_best_config"] = best[0], repr(best[1])
+                row["sweep_best_rel_err"] = err
             rows.append(row)
             print(f"{name} M={m}: {args.dtype} {row['dense_us']:.1f} us, w4a16 {row['w4a16_us']:.1f} us "
                   f"({row['speedup']:.2f}x, {row['path']})", flush=True)  # fmt: skip
@@ -195,13 +268,14 @@ def markdown(report: dict) -> str:
         f"W4A16 GEMM on {report['device']} (torch {report['torch']}, triton {report['triton']}, "
         f"{dt} activations, group {report['group_size']}; {report['timing']})",
         "",
-        f"| shape | K | N | M | torch {dt} us | w4a16 us | speedup | path | fused us | dequant+mm us |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| shape | K | N | M | torch {dt} us | w4a16 us | speedup | path | fused us | dequant+mm us | tinygemm us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         lines.append(
             f"| {r['shape']} | {r['K']} | {r['N']} | {r['M']} | {_num(r['dense_us'])} | {_num(r['w4a16_us'])} | "
-            f"{r['speedup']:.2f}x | {r['path']} | {_num(r['fused_us'])} | {_num(r['dequant_mm_us'])} |"
+            f"{r['speedup']:.2f}x | {r['path']} | {_num(r['fused_us'])} | {_num(r['dequant_mm_us'])} | "
+            f"{_num(r.get('tinygemm_us'))} |"
         )
     if any("sweep_best_config" in r for r in report["rows"]):
         lines += ["", "| shape | M | best sweep us | config |", "|---|---|---|---|"]
@@ -256,7 +330,8 @@ def cpu_bench(threads: int, group: int = 64) -> dict:
     return {"device": f"cpu, {threads} threads", "rows": rows, "per_token_ms": per_token}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="activation dtype (default fp16)")
     ap.add_argument(
@@ -270,16 +345,42 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--group", type=int, default=128, help="quantization group size (default 128)")
     ap.add_argument(
-        "--dequant-min-m", type=int, default=512, help="M from which apply() dequantizes + cuBLAS"
+        "--dequant-min-m",
+        type=int,
+        default=128,
+        help="M from which apply() dequantizes + cuBLAS (default 128)",
     )
     ap.add_argument("--sweep", action="store_true", help="also search launch configs per shape and M (slow)")
+    ap.add_argument(
+        "--sweep-m",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=None,
+        help="search launch configs at these M only (default: every M with --sweep, none without)",
+    )
+    ap.add_argument("--sweep-budget", type=float, default=float("inf"), help="seconds of searching in all")
+    ap.add_argument(
+        "--tinygemm", action="store_true", help="also time torch's int4 kernel (bf16 activations)"
+    )
+    ap.add_argument(
+        "--both-dtypes", action="store_true", help="also time the dense GEMM in the other half type"
+    )
+    ap.add_argument(
+        "--marlin", action="store_true", help="also time the Marlin-layout Triton kernel (w4a16_jit.py)"
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="no GPU: check correctness under TRITON_INTERPRET=1"
     )
     ap.add_argument("--cpu-bench", action="store_true", help="time the CPU kernels on SmolLM2-135M shapes")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads for --cpu-bench (default 2)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
+    if args.sweep_m is None:
+        args.sweep_m = args.m if args.sweep else []
     if unknown := set(args.shapes) - set(LLAMA3_8B):
         ap.error(f"unknown shapes {sorted(unknown)}; known: {', '.join(LLAMA3_8B)}")
     if args.cpu_smoke:
