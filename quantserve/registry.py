@@ -32,6 +32,8 @@ class ModelEntry(BaseModel):
     quant: str = ""
     ctx_size: int = 0
     chat_template: str | None = None
+    # layers llama.cpp puts on the GPU: auto, all or a number (None: --n-gpu-layers, itself auto by default)
+    n_gpu_layers: int | str | None = None
     # a LLaVA text GGUF's vision projector, relative to models.toml; without it an mmproj GGUF beside the model
     # is found (quantserve.formats.find_mmproj)
     mmproj: str | None = None
@@ -42,12 +44,37 @@ class ModelEntry(BaseModel):
     # router mode: unload it after this long idle (seconds, or "30s", "5m", "1h"; "never"); None: --keep-alive
     keep_alive: str | float | None = None
 
+    @field_validator("n_gpu_layers")
+    @classmethod
+    def _gpu_layers(cls, v: int | str | None) -> int | str | None:
+        parse_gpu_layers(v)
+        return v
+
     @field_validator("keep_alive")
     @classmethod
     def _duration(cls, v: str | float | None) -> str | float | None:
         if v is not None:
             parse_duration(v, "keep_alive")
         return v
+
+
+def parse_gpu_layers(value: int | str | None) -> int | None:
+    """--n-gpu-layers: "auto" (or None) -> None, "all" -> -1, else an integer >= -1.
+
+    Raises:
+        ValueError: anything else, saying what is accepted.
+    """
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    if str(value).strip().lower() == "all":
+        return -1
+    text = str(value).strip()
+    n = int(text) if re.fullmatch(r"-?\d+", text) else -2
+    if n < -1:
+        raise ValueError(
+            f"n_gpu_layers {value!r}: give auto, all (or -1), or a number of layers (0 = CPU only)"
+        )
+    return n
 
 
 def parse_duration(value: str | float, what: str) -> float | None:

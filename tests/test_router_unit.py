@@ -230,8 +230,9 @@ def test_names_any_case_aliases_and_a_default(loads):
 
 def test_the_kv_estimate_reads_per_layer_head_counts(smollm2_gguf, tmp_path):
     """llama.cpp allows head_count_kv as a per-layer array (OpenELM, Nemotron-NAS): summed, not repeated."""
+    from quantserve.core.model_size import model_shape
     from quantserve.formats import detect
-    from quantserve.server.memory import estimate_bytes, model_shape
+    from quantserve.server.memory import estimate_bytes
     from tests.gguf_mutants import PASSING, write_mutant
 
     per_layer = tmp_path / "per-layer.gguf"

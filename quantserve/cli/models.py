@@ -49,9 +49,34 @@ def inspect(model: str, models_file: str | None) -> None:
         if not path.exists():
             resolved = resolve(model, load_registry(find_models_toml(models_file)))
             path, mmproj = resolved.path, resolved.mmproj
-        click.echo(render_summary(summarize(path, mmproj=mmproj)))
+        summary = summarize(path, mmproj=mmproj)
+        extra = ()
+        if summary.format == "gguf":
+            extra = (("gpu offload", [gpu_offload(summary.files[0], resolved_settings(model, models_file))]),)
+        click.echo(render_summary(summary, extra))
     except QuantserveError as exc:
         fail(exc)
+
+
+def resolved_settings(model: str, models_file: str | None):
+    """What `quantserve run MODEL` would start with, flags aside: the defaults and the model's models.toml
+    entry, if it has one."""
+    from quantserve.core.settings import EngineSettings
+    from quantserve.registry import find_models_toml, load_registry
+
+    settings = EngineSettings()
+    if not Path(model).exists():
+        found = load_registry(find_models_toml(models_file)).lookup(model)
+        if found is not None:
+            settings = settings.for_model(found[1])
+    return settings
+
+
+def gpu_offload(path: Path, settings) -> str:
+    """What llama.cpp's `--n-gpu-layers auto` would do with this GGUF here (backends/llamacpp/offload.py)."""
+    from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
+
+    return plan_offload(Path(path), settings, gpu_device()).describe()
 
 
 @click.group()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
+from quantserve.registry import parse_gpu_layers
+
 MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
 
 
@@ -14,7 +16,9 @@ class LlamaCppSettings:
     """What only the llama.cpp backend reads."""
 
     kv_unified: bool = False  # one KV pool of kv_size cells shared by all sequences, not ctx_size cells each
-    n_gpu_layers: int = 0  # -1 = all (needs a Metal/CUDA build)
+    n_gpu_layers: int | None = (
+        None  # None: auto (as many as fit the GPU, backends/llamacpp/offload.py); -1: all
+    )
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     flash_attn: str = "auto"  # auto (llama.cpp decides), on, off
@@ -42,6 +46,7 @@ class TorchSettings:
 class ModelDefaults(Protocol):
     """What a models.toml entry may set for its model (quantserve.registry.ModelEntry)."""
 
+    n_gpu_layers: int | str | None
     backend: str
     quant: str
     ctx_size: int
@@ -81,6 +86,8 @@ class EngineSettings:
         top: dict[str, Any] = {}
         nested: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for key, value in options.items():
+            if key == "n_gpu_layers":
+                value = parse_gpu_layers(value)
             where = next((s for s, c in sections.items() if key in {f.name for f in fields(c)}), None)
             if where is not None:
                 nested[where][key] = value
@@ -99,8 +106,12 @@ class EngineSettings:
 
     def for_model(self, entry: ModelDefaults) -> EngineSettings:
         """These settings with the model's own defaults from models.toml filled in where none was given."""
+        llamacpp = self.llamacpp
+        if llamacpp.n_gpu_layers is None and entry.n_gpu_layers is not None:
+            llamacpp = replace(llamacpp, n_gpu_layers=parse_gpu_layers(entry.n_gpu_layers))
         return replace(
             self,
+            llamacpp=llamacpp,
             backend=self.backend if self.backend != "auto" else entry.backend,
             ctx_size=self.ctx_size or entry.ctx_size,
             quant=self.quant or entry.quant or None,

@@ -232,8 +232,9 @@ def _count(n: float, units: tuple[str, ...], step: int) -> str:
     raise AssertionError("unreachable")
 
 
-def render_summary(s: ModelSummary) -> str:
-    """An aligned 'key: value' table; multi-valued keys continue on indented lines."""
+def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = ()) -> str:
+    """An aligned 'key: value' table; multi-valued keys continue on indented lines. `extra`: rows the caller
+    adds after the summary's own (the CLI's GPU offload line)."""
     rows: list[tuple[str, list[str]]] = [
         ("path", [str(s.path)]),
         ("format", [s.format]),
@@ -250,6 +251,7 @@ def render_summary(s: ModelSummary) -> str:
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
         *([("vision", [s.vision])] if s.vision else []),
         ("backends", [f"{b} — {note}" for b, note in zip(s.backends, s.backend_notes, strict=True)]),
+        *extra,
     ]
     width = max(len(k) for k, _ in rows) + 2
     lines = []

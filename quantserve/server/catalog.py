@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from quantserve.core import model_size
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, QuantserveError
 from quantserve.llm import LLM
@@ -62,7 +63,7 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
             tok_config.is_file() and "chat_template" in json.loads(tok_config.read_text())
         )
     facts = {
-        "context_length": memory.n_ctx(memory.model_shape(spec), settings),
+        "context_length": model_size.n_ctx(model_size.model_shape(spec), settings),
         "backend": backend,
         "format": spec.format,
         "architecture": spec.architecture,

@@ -4,60 +4,13 @@ basis for unloading models to make room (--memory-budget)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from quantserve.core.model_size import kv_bytes, model_shape
 from quantserve.core.settings import EngineSettings
-from quantserve.formats import ModelSpec, read_gguf_info
+from quantserve.formats import ModelSpec
 
 _SOURCE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "float32": 32, "float16": 16, "bfloat16": 16}
-_KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32}
-_KV_BYTES |= {"q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The few hyperparameters the KV cache's size follows from."""
-
-    n_layer: int
-    kv_heads: int  # summed over the layers (llama.cpp allows a per-layer head_count_kv array)
-    head_dim: int
-    n_ctx_train: int | None
-
-
-def _kv_heads(value: Any, n_layer: int) -> int:
-    return sum(value) if isinstance(value, list) else value * n_layer
-
-
-def model_shape(spec: ModelSpec) -> Shape | None:
-    """From a GGUF's metadata or an HF config (a LLaVA's text model); None when neither says."""
-    try:
-        if spec.format == "gguf":
-            meta = read_gguf_info(spec.files[0]).metadata
-            arch = meta.get("general.architecture")
-            n_head = meta.get(f"{arch}.attention.head_count")
-            n_embd = meta.get(f"{arch}.embedding_length")
-            n_layer = meta[f"{arch}.block_count"]
-            head = max(n_head) if isinstance(n_head, list) else n_head
-            return Shape(
-                n_layer,
-                _kv_heads(meta.get(f"{arch}.attention.head_count_kv", n_head), n_layer),
-                meta.get(f"{arch}.attention.key_length") or n_embd // head,
-                meta.get(f"{arch}.context_length"),
-            )
-        config: dict[str, Any] = dict(spec.config or {})
-        config = config.get("text_config") or config
-        n_head = config["num_attention_heads"]
-        n_layer = config["num_hidden_layers"]
-        return Shape(
-            n_layer,
-            (config.get("num_key_value_heads") or n_head) * n_layer,
-            config.get("head_dim") or config["hidden_size"] // n_head,
-            config.get("max_position_embeddings"),
-        )
-    except (KeyError, TypeError, ZeroDivisionError, ValueError):
-        return None
 
 
 def _target_bits(quant: str | None) -> float | None:
@@ -85,10 +38,6 @@ def _target_bits(quant: str | None) -> float | None:
     return 8 * size / block
 
 
-def n_ctx(shape: Shape | None, settings: EngineSettings) -> int:
-    return settings.n_ctx(shape.n_ctx_train if shape is not None else None)
-
-
 def estimate_bytes(spec: ModelSpec, settings: EngineSettings, backend: str) -> int:
     """Weights (file sizes, scaled to the load-time quantization if any) plus the KV cache the settings ask
     for. An estimate: llama.cpp's compute buffers and the tokenizer are left out."""
@@ -100,17 +49,7 @@ def estimate_bytes(spec: ModelSpec, settings: EngineSettings, backend: str) -> i
     shape = model_shape(spec)
     if shape is None:
         return weights
-    ctx = n_ctx(shape, settings)
-    if backend == "llamacpp" and settings.llamacpp.kv_unified:
-        cells = max(settings.kv_size or 2 * ctx, ctx)
-    else:
-        cells = settings.kv_size or ctx * settings.max_num_seqs
-    if backend == "llamacpp":
-        k, v = settings.llamacpp.cache_type_k, settings.llamacpp.cache_type_v
-        per_elem = (_KV_BYTES.get(k.lower(), 2) + _KV_BYTES.get(v.lower(), 2)) / 2
-    else:
-        per_elem = 2.0
-    return weights + int(2 * shape.kv_heads * shape.head_dim * cells * per_elem)
+    return weights + kv_bytes(shape, settings, backend)
 
 
 def free_bytes(backend: str) -> int | None:

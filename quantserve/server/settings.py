@@ -7,7 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantserve.core.settings import EngineSettings
-from quantserve.registry import ResolvedModel, find_models_toml, load_registry, parse_duration, resolve
+from quantserve.registry import (
+    ResolvedModel,
+    find_models_toml,
+    load_registry,
+    parse_duration,
+    parse_gpu_layers,
+    resolve,
+)
 from quantserve.server.memory import parse_size
 from quantserve.vision.fetch import MediaPolicy
 from quantserve.vision.images import ImageLimits
@@ -69,7 +76,12 @@ class ServerSettings(BaseModel):
     )
     n_batch: int = Field(default=512, ge=16, description="tokens per engine step (prefill chunk budget)")
     threads: int = Field(default=0, ge=0, description="CPU threads (0: all cores)")
-    n_gpu_layers: int = Field(default=0, ge=-1, description="layers to offload to Metal/CUDA (-1: all)")
+    n_gpu_layers: str = Field(
+        default="auto",
+        description="layers llama.cpp puts on the GPU (Metal, CUDA): auto (every layer when the model and its KV "
+        "fit the GPU's free memory with 1 GiB to spare, else as many as fit; 0 on a CPU-only build), all, or a "
+        "number",
+    )
     cache_type_k: str = Field(default="f16", description="KV cache type for K (f16, q8_0, q4_0, …)")
     cache_type_v: str = Field(default="f16", description="KV cache type for V (f16, q8_0, q4_0, …)")
     flash_attn: Literal["auto", "on", "off"] = Field(
@@ -130,6 +142,12 @@ class ServerSettings(BaseModel):
         return MediaPolicy(
             allow_urls=self.image_urls, allowed_domains=domains, timeout=self.image_timeout, limits=limits
         )
+
+    @field_validator("n_gpu_layers", mode="before")
+    @classmethod
+    def _gpu_layers(cls, v: int | str) -> str:
+        parse_gpu_layers(v)  # raises with what is accepted
+        return str(v).strip().lower()
 
     @field_validator("memory_budget")
     @classmethod

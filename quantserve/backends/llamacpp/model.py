@@ -15,6 +15,7 @@ import llama_cpp as lc
 import numpy as np
 
 from quantserve.backends.llamacpp.library import init_backend
+from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
 from quantserve.core.runner import DropKV, KVCacheFull, KVSpec, VisionSpec
@@ -45,8 +46,15 @@ class LlamaCppRunner:
         for name, value in (("cache_type_k", own.cache_type_k), ("cache_type_v", own.cache_type_v)):
             if value not in KV_CACHE_TYPES:
                 raise ConfigError(f"{name} {value!r} is not one of {', '.join(KV_CACHE_TYPES)}", param=name)
+        self.offload = plan_offload(self.path, settings, gpu_device())
+        # a CPU-only build choosing 0 is no news (debug); anything else is worth a line at startup
+        log.log(
+            logging.DEBUG if self.offload.device is None and own.n_gpu_layers is None else logging.INFO,
+            "GPU offload: %s",
+            self.offload.describe(),
+        )
         mparams = lc.llama_model_default_params()
-        mparams.n_gpu_layers = own.n_gpu_layers if own.n_gpu_layers >= 0 else 0x7FFFFFFF
+        mparams.n_gpu_layers = self.offload.n_gpu_layers
         mparams.use_mmap = own.use_mmap
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
@@ -123,7 +131,7 @@ class LlamaCppRunner:
         self.vision: VisionSpec | None = None
         self._images: ImageDecoder | None = None
         if mmproj is not None:
-            self._load_vision(mmproj, own.n_gpu_layers != 0)
+            self._load_vision(mmproj, self.offload.n_gpu_layers != 0)
 
     def _load_vision(self, mmproj: Path, use_gpu: bool) -> None:
         marker = self.tokenize(IMAGE_MARKER, add_special=False, parse_special=True)
