@@ -22,7 +22,6 @@ from tests.test_w4a16_kernels import CASES, F16, F32, _sweep, activations, check
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-
 @pytest.fixture(autouse=True)
 def _compiled(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
