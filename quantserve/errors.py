@@ -61,6 +61,21 @@ class BackendUnavailableError(QuantserveError):
     code = "backend_unavailable"
 
 
+def require_torch(what: str) -> None:
+    """PyTorch is an extra (`quantserve[torch]`): what needs it says so, before anything imports it.
+
+    Raises:
+        BackendUnavailableError: torch is not installed, naming the extra.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise BackendUnavailableError(
+            f"{what} needs PyTorch, which is not installed here: pip install 'quantserve[torch]' (GGUF models on "
+            "the llama.cpp backend need none)"
+        )
+
+
 # ---- requests ----------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 import llama_cpp as lc
 import numpy as np
 
-from quantserve.errors import ConfigError, InvalidRequestError
+from quantserve.errors import ConfigError, InvalidRequestError, require_torch
 
 BACKENDS = ("llamacpp", "torch")
 
@@ -187,6 +187,7 @@ def open_scorer(path: Path, backend: str = "llamacpp", *, n_ctx: int = 512, thre
     if backend == "llamacpp":
         return ChunkScorer(path, n_ctx=n_ctx, threads=threads)
     if backend == "torch":
+        require_torch("scoring with --backend torch")
         return TorchChunkScorer(path, n_ctx=n_ctx, threads=threads)
     raise ConfigError(f"unknown scoring backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 

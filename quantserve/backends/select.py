@@ -10,7 +10,7 @@ import logging
 
 from quantserve.core.runner import LoadedModel
 from quantserve.core.settings import EngineSettings
-from quantserve.errors import BackendUnavailableError
+from quantserve.errors import BackendUnavailableError, require_torch
 from quantserve.formats import ModelSpec
 
 log = logging.getLogger("quantserve")
@@ -72,5 +72,7 @@ def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) ->
 def load_backend(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
     name, reason = choose_backend(spec, settings.backend, settings.quant)
     log.info("backend %s for %s: %s", name, spec.path, reason)
+    if name == "torch":
+        require_torch("the torch backend")
     module, func = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), func)(spec, settings)

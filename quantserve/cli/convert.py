@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from quantserve.cli.common import fail
-from quantserve.errors import ConfigError, QuantserveError, UnsupportedFormatError
+from quantserve.errors import ConfigError, QuantserveError, UnsupportedFormatError, require_torch
 from quantserve.formats.schemes import schemes
 
 QUANT_METHODS = ("gptq", "awq", "awq-gptq", "rtn")  # -> a quantized HF directory (converters/calibration)
@@ -138,6 +138,8 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
         src_fmt = spec.format
         llava = src_fmt == "safetensors" and is_llava(spec.config)
         _fail_if(mmproj_type and not llava, "--mmproj-type applies to LLaVA checkpoints (HF -> GGUF) only")
+        if quant in QUANT_METHODS or (fmt and not quant) or calib or calib_dataset:
+            require_torch(f"--quant {quant}" if quant in QUANT_METHODS else "--format" if fmt else "--calib")
         if quant in QUANT_METHODS or (fmt and not quant):
             _fail_if(dtype or imatrix, "--dtype and --imatrix do not apply to GPTQ/AWQ/RTN output")
             calibration = _Calibration(calib, calib_dataset, calib_samples, calib_seq_len, seed, bits_budget)

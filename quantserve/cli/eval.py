@@ -9,7 +9,7 @@ import click
 from tqdm import tqdm
 
 from quantserve.cli.common import fail
-from quantserve.errors import QuantserveError
+from quantserve.errors import QuantserveError, require_torch
 
 
 def _path(model: str, models_file: str | None) -> Path:
@@ -52,6 +52,15 @@ _FOR_BACKEND = {"llamacpp": gguf_for, "torch": hf_for}
 
 def _shown(model: str, path: Path) -> str:
     return model if Path(model) == path else f"{model} (scored as {path})"
+
+
+def _needs_torch(backend: str) -> None:
+    """--backend torch without PyTorch: say so (exit 2) before any conversion is spent on it."""
+    if backend == "torch":
+        try:
+            require_torch("scoring with --backend torch")
+        except QuantserveError as exc:
+            fail(exc)
 
 
 def _measure(desc: str, score):
@@ -110,6 +119,7 @@ def ppl(model: str, text_file: str, n_ctx: int, threads: int, models_file: str |
     from quantserve.evaluate import perplexity
 
     text = Path(text_file).read_text(encoding="utf-8")
+    _needs_torch(backend)
     path = _measure("converting", lambda _: _FOR_BACKEND[backend](model, models_file))
     r = _measure(
         "perplexity",
@@ -137,6 +147,7 @@ def kl(
     from quantserve.evaluate import kl_divergence
 
     text = Path(text_file).read_text(encoding="utf-8")
+    _needs_torch(backend)
     a = _measure("converting", lambda _: _FOR_BACKEND[backend](base, models_file))
     b = _measure("converting", lambda _: _FOR_BACKEND[backend](model, models_file))
     r = _measure(
