@@ -175,7 +175,9 @@ def test_two_turn_exchange_ends_in_text(api):
         model=api.model, messages=history, tools=TOOLS[:1], tool_choice="none", temperature=0, max_tokens=40
     )
     answer = r.choices[0].message
-    assert answer.tool_calls is None and "18" in answer.content
+    # the tool's result reached the model: it quotes the temperature, or (llama.cpp on an AVX2-only CPU, whose
+    # kernels round otherwise) the sky, neither of which the question holds
+    assert answer.tool_calls is None and ("18" in answer.content or "sunny" in answer.content)
 
 
 def test_content_parts_in_every_role(api):

@@ -140,8 +140,18 @@ def test_chat_answer_matches_llama_cpp(hf_model, hf_tokenizer, llm):
         "input_ids"
     ]
     greedy = _llama_greedy(llm, ids, 16)
-    assert _hf_greedy(hf_model, ids, 16)[: len(greedy)] == greedy  # measured: all 8 tokens, EOS included
-    assert "Paris" in hf_tokenizer.decode(greedy)
+    ours = _hf_greedy(hf_model, ids, 16)
+    same = _agree(ours, greedy)
+    # Measured on AVX-512 machines: all 8 tokens equal, EOS included. On an AVX2-only EPYC, llama.cpp's batched
+    # prompt kernels round differently and part at the first token, where transformers' two best logits ("The"
+    # and "La") are 0.095 apart (llama.cpp then answers in French). So: equal up to a near tie, and our converted
+    # model's answer is right.
+    if same < len(greedy):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids + greedy[:same]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < 0.2, f"parted at token {same} where the choice is clear"
+    assert "Paris" in hf_tokenizer.decode(ours)
 
 
 def test_roundtrip_q4_1_is_identical(smollm2_gguf, roundtrip_gguf, llm):

@@ -56,7 +56,9 @@ def test_perplexity_matches_token_by_token_scoring(smollm2_gguf):
     logp, targets = next(batched.chunks(tokens))
     batched.close()
     nll_batched = -float(logp[np.arange(len(targets)), targets].mean())
-    assert abs(nll_batched - _reference_nll(smollm2_gguf, tokens, n_ctx)) < 2e-3
+    # Measured: under 2e-3 on AVX-512 machines; 0.012 (of 0.26) on an AVX2-only EPYC, whose llama.cpp kernels
+    # round a batch differently from one token. A misaligned target or position would cost whole nats.
+    assert abs(nll_batched - _reference_nll(smollm2_gguf, tokens, n_ctx)) < 2e-2
     assert 1.0 < r.ppl < 50.0  # a repeated English paragraph is easy but not free
 
 
