@@ -132,6 +132,66 @@ def build_tiny_llava(
     return dst
 
 
+def build_tf5_llava(
+    dst: Path, smollm2_hf: Path, *, text: str = "llama", image_size: int = 224, seed: int = 1
+) -> Path:
+    """A tiny LLaVA as transformers 5 saves one with `LlavaProcessor.save_pretrained`: the image processor's
+    settings nested in processor_config.json and no preprocessor_config.json; a 224 px CLIP tower with 14 px
+    patches (256 image tokens), features from layer -2, the `default` strategy, image mean and std 0.5 (a
+    SigLIP-like normalisation, so that CLIP's defaults would be visibly wrong), LlavaImageProcessor's default of
+    no padding (shortest edge, then a centre crop), and a `text` (llama or qwen2) language model."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaImageProcessor,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+    )
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(smollm2_hf / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    image_token_id = tok.token_to_id(IMAGE_TOKEN)
+    base_cfg = json.loads((smollm2_hf / "config.json").read_text())
+    vocab = image_token_id + 1
+    vocab += -vocab % 64
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=base_cfg.get("bos_token_id", 1),
+                  eos_token_id=base_cfg.get("eos_token_id", 2))  # fmt: skip
+    text_cfg = LlamaConfig(**common) if text == "llama" else Qwen2Config(**common)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=image_size, patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu",
+                              layer_norm_eps=1e-5)  # fmt: skip
+    n_tokens = (image_size // PATCH) ** 2
+    cfg = LlavaConfig(vision_config=vision, text_config=text_cfg, image_token_index=image_token_id,
+                      projector_hidden_act="gelu", vision_feature_layer=-2,
+                      vision_feature_select_strategy="default", image_seq_length=n_tokens)  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(dst, safe_serialization=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    image_processor = LlavaImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    LlavaProcessor(image_processor=image_processor, tokenizer=fast, patch_size=PATCH,
+                   vision_feature_select_strategy="default", image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
+                   chat_template=CHAT_TEMPLATE).save_pretrained(dst)  # fmt: skip
+    assert not (dst / "preprocessor_config.json").exists()  # what this fixture is for
+    return dst
+
+
 def sample_images(seed: int = 0) -> dict[str, bytes]:
     """Odd-sized images in each decoder's format: name -> encoded bytes."""
     import io
@@ -146,6 +206,7 @@ def sample_images(seed: int = 0) -> dict[str, bytes]:
         ("square.webp", (336, 336), "WEBP"),
         ("tiny.gif", (13, 29), "GIF"),
         ("big.png", (1023, 517), "PNG"),
+        ("300x180.png", (300, 180), "PNG"),
     ]:
         arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         arr[: h // 2, : w // 3] = (200, 30, 90)  # a block of colour, so that resizing has edges to keep

@@ -266,7 +266,13 @@ def test_convert_cli_writes_the_text_gguf_and_the_mmproj(layouts, smollm2_hf, tm
     )
     assert r.exit_code == 0, r.output
     text, mmproj = tmp_path / "out/Tiny-Llava-6.4M-Q8_0.gguf", tmp_path / "out/mmproj-Tiny-Llava-F16.gguf"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([text.name, mmproj.name])
+    processor = sorted(
+        p.name for p in src.iterdir() if p.name in ("processor_config.json", "preprocessor_config.json")
+    )
+    assert processor  # copied beside the mmproj, where the llama.cpp backend reads how to crop images
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        [text.name, mmproj.name, *processor]
+    )
     assert f"wrote {text}" in r.output and f"wrote {mmproj}" in r.output
     assert read_gguf_info(text).file_type == "Q8_0"
     assert mmproj.read_bytes() == hf_to_mmproj(src, tmp_path / "lib.gguf").read_bytes()

@@ -85,3 +85,27 @@ def is_llava(config: Mapping[str, Any] | None) -> bool:
     archs = config.get("architectures")
     first = archs[0] if isinstance(archs, list) and archs else None
     return config.get("model_type") == "llava" or first == "LlavaForConditionalGeneration"
+
+
+def image_processor_settings(directory: Path) -> tuple[dict[str, Any], str] | None:
+    """A vision checkpoint's image-processor settings, found where transformers (5.x, `ImageProcessingMixin.
+    get_image_processor_dict`) finds them: the "image_processor" object nested in `processor_config.json` first
+    (what `LlavaProcessor.save_pretrained` writes since transformers 5), else `preprocessor_config.json` (older
+    checkpoints, llava-hf's). Returns (settings, where they came from), or None when the directory has neither.
+
+    Raises:
+        ModelFileError: a file that is not a JSON object, or a nested entry that is not one.
+    """
+    directory = Path(directory)
+    nested = directory / "processor_config.json"
+    if nested.is_file():
+        processor = read_json_object(nested)
+        if "image_processor" in processor:
+            settings = processor["image_processor"]
+            if not isinstance(settings, dict):
+                raise ModelFileError(f"{nested}: 'image_processor' is not a JSON object")
+            return settings, f"{nested} (image_processor)"
+    flat = directory / "preprocessor_config.json"
+    if flat.is_file():
+        return read_json_object(flat), str(flat)
+    return None

@@ -10,7 +10,6 @@ ViT layer fewer than `vision_feature_layer` asks for (llama.cpp issue #25817).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from functools import partial
@@ -24,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import ModelSpec, detect
 from quantserve.formats.hf_config import is_llava
+from quantserve.formats.image_processor import ImageProcessorConfig, check_tower
 from quantserve.formats.staging import check_destination, ensure_free_space, staged_output
 from quantserve.gguf.safetensors_source import SafetensorsSource
 from quantserve.gguf.writer import OutTensor
@@ -43,7 +43,6 @@ _LLAVA_DEFAULTS = {
     "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
     "multimodal_projector_bias": True,
 }  # fmt: skip
-_CLIP_MEAN, _CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 
 # Where checkpoints keep the CLIP tower (llava-hf: vision_tower.vision_model.*; transformers 5 saves vision_tower.*)
 _TOWER_PREFIXES = (
@@ -103,11 +102,12 @@ def vision_params(config: Mapping[str, Any]) -> dict[str, Any]:
     return hp
 
 
-def _preprocessor(directory: Path) -> tuple[list[float], list[float]]:
-    path = directory / "preprocessor_config.json"
-    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    mean, std = cfg.get("image_mean") or _CLIP_MEAN, cfg.get("image_std") or _CLIP_STD
-    return [float(x) for x in mean], [float(x) for x in std]  # FLOAT32 arrays, whatever the JSON spelled
+def _preprocessor(directory: Path, vision: Mapping[str, Any]) -> tuple[list[float], list[float]]:
+    """The image mean and std, read as transformers reads them; a processor whose images the tower cannot take
+    is refused here, as the torch backend refuses it at load."""
+    cfg = ImageProcessorConfig.from_dir(directory)
+    check_tower(cfg, dict(vision))
+    return [float(x) for x in cfg.image_mean], [float(x) for x in cfg.image_std]  # FLOAT32 arrays
 
 
 def _strip(name: str, prefixes: tuple[str, ...]) -> str | None:
@@ -181,7 +181,7 @@ def _add_keys(
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", v["layer_norm_eps"])
     writer.add_uint32("clip.vision.block_count", max(hp["feature_layers"]))
     writer.add_array("clip.vision.feature_layer", hp["feature_layers"])
-    mean, std = _preprocessor(model_dir)
+    mean, std = _preprocessor(model_dir, v)
     writer.add_array("clip.vision.image_mean", mean)
     writer.add_array("clip.vision.image_std", std)
     writer.add_bool("clip.use_gelu", v["hidden_act"] == "gelu")
@@ -212,8 +212,8 @@ def hf_to_mmproj(src: Path, dst: Path, mmproj_type: str = "f16", force: bool = F
     """Write the vision projector GGUF of a LLaVA checkpoint (llava-hf or transformers 5 tensor names).
 
     Args:
-        src: the LLaVA directory (config.json with a vision_config, *.safetensors, preprocessor_config.json).
-        dst: the .gguf file to create.
+        src: the LLaVA directory (config.json with a vision_config, *.safetensors, its image processor's file).
+        dst: the .gguf file to create; the image processor's file is copied beside it.
         mmproj_type: "f16" (what llama.cpp ships) or "f32".
         force: replace an existing dst.
     Returns:
@@ -244,4 +244,17 @@ def hf_to_mmproj(src: Path, dst: Path, mmproj_type: str = "f16", force: bool = F
         for t in tensors:
             writer.write_tensor_data(gguf.quants.quantize(t.load(), t.qtype))
         writer.close()
+    copy_processor_settings(spec.directory, dst.parent, force)
     return dst
+
+
+def copy_processor_settings(src: Path, dst_dir: Path, force: bool) -> None:
+    """The checkpoint's image-processor file(s) beside the mmproj, where the llama.cpp backend reads them to crop
+    images as the checkpoint does (libmtmd pads instead; backends/llamacpp/vision.py). The mmproj itself stays
+    byte for byte llama.cpp's. An existing file of the same name stays unless `force`."""
+    import shutil
+
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        here, there = Path(src) / name, Path(dst_dir) / name
+        if here.is_file() and here.resolve() != there.resolve() and (force or not there.exists()):
+            shutil.copyfile(here, there)

@@ -22,7 +22,8 @@ _SIDE_FILES = (
     "generation_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
-    "preprocessor_config.json",  # a LLaVA's image mean and std go into its mmproj
+    "preprocessor_config.json",  # a LLaVA's image mean and std go into its mmproj (older checkpoints)
+    "processor_config.json",  # ... or here, since transformers 5 (formats.hf_config.image_processor_settings)
 )
 _DTYPE_QUANT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 

@@ -2,9 +2,13 @@
 embeddings for the text model, which the runner decodes at the image's positions like tokens.
 
 libmtmd does its own preprocessing (for LLaVA: pad to square, bicubic resize, CLIP normalisation, as clip.cpp writes
-it) from the decoded RGB pixels we hand it, so both backends start from the same pixels. Only projectors with a fixed
-number of tokens per image (LLaVA 1.5's MLP) are served: the prompt reserves that many positions for each image
-before any is encoded.
+it). A checkpoint's own processor may instead resize the short side and centre-crop (transformers' LlavaImageProcessor
+without do_pad, what LlavaProcessor saves by default): then a non-square image would differ from the first token on.
+So when the checkpoint's image-processor settings sit beside the mmproj (`quantserve convert` and the in-situ cache
+copy them there), the geometric steps run here, exactly as the torch backend runs them (vision/preprocess.py), and
+libmtmd gets the final image_size x image_size crop, which its resize copies unchanged; only its normalisation is
+left to it. Only projectors with a fixed number of tokens per image (LLaVA 1.5's MLP) are served: the prompt
+reserves that many positions for each image before any is encoded.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import llama_cpp as lc
@@ -23,6 +29,10 @@ from quantserve.core.multimodal import Image
 from quantserve.core.runner import KVCacheFull
 from quantserve.core.sequence import Sequence
 from quantserve.errors import ModelFileError
+from quantserve.formats import read_gguf_info
+from quantserve.formats.hf_config import image_processor_settings
+from quantserve.formats.image_processor import ImageProcessorConfig, check_tower
+from quantserve.vision.preprocess import geometry
 
 log = logging.getLogger("quantserve.llamacpp")
 
@@ -33,6 +43,7 @@ class MtmdVision:
     """One mtmd context for a loaded text model. Not thread-safe: the engine thread is its only caller."""
 
     def __init__(self, mmproj: Path, model, *, n_threads: int, use_gpu: bool):
+        self.prepare = checkpoint_geometry(mmproj)  # before anything is loaded: a mismatch is refused first
         init_mtmd_log()
         params = mtmd.mtmd_context_params_default()
         params.use_gpu = use_gpu
@@ -55,8 +66,9 @@ class MtmdVision:
 
     def encode(self, image: Image) -> np.ndarray:
         """The image's embeddings [tokens, n_embd] float32, for the text model's input."""
-        h, w, _ = image.rgb.shape
-        pixels = np.ascontiguousarray(image.rgb, dtype=np.uint8)
+        rgb = image.rgb if self.prepare is None else self.prepare(image.rgb)
+        h, w, _ = rgb.shape
+        pixels = np.ascontiguousarray(rgb, dtype=np.uint8)
         bitmap = mtmd.mtmd_bitmap_init(w, h, pixels.ctypes.data_as(ctypes.POINTER(ctypes.c_ubyte)))
         chunks = mtmd.mtmd_input_chunks_init()
         try:
@@ -84,6 +96,27 @@ class MtmdVision:
         if self.ctx:
             mtmd.mtmd_free(self.ctx)
             self.ctx = None
+
+
+def checkpoint_geometry(mmproj: Path) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The checkpoint's pad / resize / crop (RGB uint8 -> its crop), from the image-processor settings beside
+    the mmproj, found as transformers finds them; None where there are none (libmtmd's own preprocessing).
+
+    Raises:
+        ModelFileError: settings whose images the projector's tower cannot take (both sizes named).
+    """
+    found = image_processor_settings(mmproj.parent)
+    if found is None:
+        return None
+    cfg = ImageProcessorConfig.from_dict(found[0], source=found[1])
+    meta = read_gguf_info(mmproj).metadata
+    tower = {
+        "image_size": meta.get("clip.vision.image_size"),
+        "patch_size": meta.get("clip.vision.patch_size"),
+    }
+    check_tower(cfg, {k: v for k, v in tower.items() if v is not None})
+    log.info("vision: images cropped as %s says, then handed to libmtmd", found[1])
+    return partial(geometry, cfg=cfg)
 
 
 class ImageDecoder:

@@ -38,17 +38,21 @@ def load_torch(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    image_config = None
+    if is_llava(spec.config or {}):  # its images must fit its tower: refused now, never by a request
+        from quantserve.formats.image_processor import ImageProcessorConfig, check_tower
+
+        image_config = ImageProcessorConfig.from_dir(spec.directory)
+        check_tower(image_config, (spec.config or {}).get("vision_config") or {})
     device, dtype = pick_device_dtype(spec.config or {})
     tokenizer = HFTokenizer.from_dir(spec.directory)
     model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
     fuse_projections(model)
-    vision = image_config = None
-    if is_llava(spec.config or {}):
+    vision = None
+    if image_config is not None:
         from quantserve.backends.torch.llava import load_vision
-        from quantserve.vision.preprocess import ImageProcessorConfig
 
         vision = load_vision(spec, model.args.hidden_size, dtype, device)
-        image_config = ImageProcessorConfig.from_dir(spec.directory)
     runner = TorchRunner(model, tokenizer, settings, device, vision, image_config)
     n_params = sum(p.numel() for p in model.parameters())
     n_params += sum(p.numel() for p in vision.parameters()) if vision is not None else 0

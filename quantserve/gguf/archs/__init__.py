@@ -133,20 +133,23 @@ def arch_for_gguf(arch: str) -> ArchSpec:
 def arch_for_hf(config: Mapping[str, Any]) -> ArchSpec:
     """The arch for an HF config.json, by `model_type` (then `architectures[0]`).
 
-    A LLaVA converts as its language model, which llama.cpp's converter always treats as llama
-    (conversion/llama.py registers LlavaForConditionalGeneration with LlamaModel).
+    A LLaVA converts as its language model, by the text_config's model_type. llama.cpp's converter registers
+    LlavaForConditionalGeneration with its LlamaModel only (conversion/llama.py), so for a llama or mistral text
+    model the file is what it writes; a qwen2 or qwen3 one becomes the GGUF of that model on its own (the
+    tensors under `language_model.`, as llama.cpp's filter drops the prefix), which libmtmd's projector feeds
+    like any other: it only needs the text model's embedding width.
 
     Raises:
-        UnsupportedFormatError: listing the supported model types.
+        UnsupportedFormatError: listing the supported model types (and, for a LLaVA, naming --backend torch).
     """
     if is_llava(config):
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
         text_type = text.get("model_type", "llama")  # LlavaConfig's default text model
-        spec = archs()["llama"]
-        if text_type not in spec.hf_model_types:
+        spec = next((s for s in archs().values() if text_type in s.hf_model_types), None)
+        if spec is None:
             raise UnsupportedFormatError(
-                f"this LLaVA's language model is {text_type!r}; llama.cpp converts LLaVA checkpoints as llama, so "
-                f"only a {' or '.join(spec.hf_model_types)} language model can be converted"
+                f"this LLaVA's language model is {text_type!r}, which the GGUF writer does not know (it knows "
+                f"{', '.join(supported_hf_types())}); serve the checkpoint with --backend torch if that supports it"
             )
         return spec
     model_type = config.get("model_type")
