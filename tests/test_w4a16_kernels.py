@@ -147,7 +147,8 @@ def test_plain_gemm_matches_reference(m, k, n, group, dtype, zp, act, bits):
     bias = torch.randn(n).to(dtype)
     check(plain_gemm(x, state, bias, interpret=True), x, mw, bias)
     for cfg in (PlainConfig(16, 64, 32, split_k=3), PlainConfig(2, 64, 32, split_k=2, use_dot=False)):
-        check(plain_gemm(x, state, bias, config=cfg, interpret=True), x, mw, bias)
+        if m <= 16:  # the interpreter runs each row block in turn: the 33-row cases cost too much for what they add
+            check(plain_gemm(x, state, bias, config=cfg, interpret=True), x, mw, bias)
     dense = dequantize_marlin(mw)
     assert torch.equal(
         plain_dequantize(state, F32, interpret=True), dense if state.perm is None else dense[state.perm]
