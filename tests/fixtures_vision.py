@@ -42,6 +42,21 @@ CHAT_TEMPLATE = (
 )
 
 
+def _random_llava(cfg, seed: int):
+    """The LLaVA of `cfg` with random matrices wider than the init's 0.02 std, so that images and tokens change
+    the output visibly."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
 def build_tiny_llava(
     dst: Path,
     smollm2_hf: Path,
@@ -60,7 +75,7 @@ def build_tiny_llava(
     """Write a LlavaForConditionalGeneration checkpoint (config, safetensors, tokenizer, processor) to `dst`."""
     import torch
     from tokenizers import AddedToken, Tokenizer
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     dst.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(smollm2_hf / "tokenizer.json"))
@@ -115,13 +130,7 @@ def build_tiny_llava(
         vision_feature_select_strategy="default",
         image_seq_length=(IMAGE_SIZE // PATCH) ** 2,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg).eval()
-    # wider than the init's 0.02 std, so that images and tokens change the output visibly
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+    model = _random_llava(cfg, seed)
     model.to(getattr(torch, dtype)).save_pretrained(dst, safe_serialization=True)
     (dst / "preprocessor_config.json").write_text(json.dumps(LLAVA_PROCESSOR, indent=2))
     (dst / "chat_template.jinja").write_text(CHAT_TEMPLATE)
@@ -140,13 +149,11 @@ def build_tf5_llava(
     patches (256 image tokens), features from layer -2, the `default` strategy, image mean and std 0.5 (a
     SigLIP-like normalisation, so that CLIP's defaults would be visibly wrong), LlavaImageProcessor's default of
     no padding (shortest edge, then a centre crop), and a `text` (llama or qwen2) language model."""
-    import torch
     from tokenizers import AddedToken, Tokenizer
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
-        LlavaForConditionalGeneration,
         LlavaImageProcessor,
         LlavaProcessor,
         PreTrainedTokenizerFast,
@@ -172,13 +179,7 @@ def build_tf5_llava(
     cfg = LlavaConfig(vision_config=vision, text_config=text_cfg, image_token_index=image_token_id,
                       projector_hidden_act="gelu", vision_feature_layer=-2,
                       vision_feature_select_strategy="default", image_seq_length=n_tokens)  # fmt: skip
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(dst, safe_serialization=True)
+    _random_llava(cfg, seed).save_pretrained(dst, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
     fast.chat_template = CHAT_TEMPLATE
     image_processor = LlavaImageProcessor(
