@@ -65,9 +65,8 @@ def _paged_decode(
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
         if F32_DOT:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = (
-            tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=tl.float32) * scale
-        )  # [G_PAD, BLOCK_N]
+        # scores [G_PAD, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=tl.float32) * scale
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         alpha = tl.exp(m_i - m_new)

@@ -146,12 +146,10 @@ def _plain_gemm(
             mask=(rows < K // PACK)[:, None] & n_mask[None, :],
             other=0,
         )
-        q = (words[:, None, :] >> shifts[None, :, None]) & (
-            (1 << BITS) - 1
-        )  # [BLOCK_K / PACK, PACK, BLOCK_N]
-        q = tl.reshape(
-            q, [BLOCK_K, BLOCK_N]
-        )  # row P r + i: value i of word row r, i.e. k = kb BLOCK_K + P r + i
+        # codes [BLOCK_K / PACK, PACK, BLOCK_N], then [BLOCK_K, BLOCK_N]: row P r + i is value i of word row r,
+        # i.e. k = kb BLOCK_K + P r + i
+        code_mask = (1 << BITS) - 1
+        q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & code_mask, [BLOCK_K, BLOCK_N])
         g = (kb * BLOCK_K) // group_size
         if HAS_ZP:
             z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.int32)

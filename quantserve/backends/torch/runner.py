@@ -103,11 +103,10 @@ class TorchRunner:
                 "needs; raise --kv-size or lower --ctx-size",
                 param="kv_size",
             )
-        # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers slots.
+        # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers slots. The norms,
+        # rotary + KV write and silu * up run as Triton kernels wherever Triton runs.
         self.paged_kernel = paged_attention.can_run(device)[0]
-        model.use_fused_kernels(
-            self.paged_kernel
-        )  # norms, rotary + KV write, silu * up: Triton where it runs
+        model.use_fused_kernels(self.paged_kernel)
         a = model.args
         # One block more than the ledger hands out: the scratch block that unused CUDA-graph rows write to.
         for layer in model.model.layers:
