@@ -141,6 +141,15 @@ class LLM:
     def can_embed(self) -> bool:
         return hasattr(self._runner, "embed")
 
+    @property
+    def gpu_share(self) -> float:
+        """The share of the model's layers on a GPU (0 on the CPU): llama.cpp's offload, or torch's device."""
+        offload = getattr(self._runner, "offload", None)
+        if offload is not None:
+            return 0.0 if offload.device is None else min(1.0, offload.n_gpu_layers / max(1, offload.n_layer))
+        device = getattr(self._runner, "device", None)
+        return 0.0 if device is None or device.type == "cpu" else 1.0
+
     def prepare_chat(
         self, request: ChatRequest, images: Seq[Image] = ()
     ) -> tuple[ChatPrompt, list[int], list[ImageSpan]]:

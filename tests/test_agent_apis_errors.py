@@ -200,3 +200,17 @@ def test_api_key_by_bearer_or_x_api_key_with_errors_in_each_shape(smollm2_gguf):
         big = {**msg, "system": "x" * 8000}
         r = c.post("/v1/messages", json=big, headers={"x-api-key": "secret"})
         anthropic_error(r, 413, "request_too_large")
+        # Ollama's routes: the same key, Ollama's shape
+        ollama_chat = {
+            "model": "smollm2",
+            "messages": [PARIS[1]],
+            "stream": False,
+            "options": {"num_predict": 2},
+        }
+        r = c.post("/api/chat", json=ollama_chat, headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 200 and r.json()["done"]
+        for path in ("/api/tags", "/api/ps"):
+            r = c.get(path)
+            assert r.status_code == 401 and list(r.json()) == ["error"]
+        r = c.post("/api/chat", json={**ollama_chat, "x": "y" * 8000}, headers={"x-api-key": "secret"})
+        assert r.status_code == 413 and list(r.json()) == ["error"]

@@ -242,3 +242,58 @@ def test_the_kv_estimate_reads_per_layer_head_counts(smollm2_gguf, tmp_path):
     settings = EngineSettings(ctx_size=1024, max_num_seqs=2)
     kv = estimate_bytes(detect(smollm2_gguf), settings, "llamacpp") - smollm2_gguf.stat().st_size
     assert kv == 2 * 90 * 64 * 2048 * 2  # K and V, 90 heads of 64 over the layers, 2048 cells, f16
+
+
+def test_a_client_unload_waits_for_the_request_and_a_single_model_server_loads_again(loads, monkeypatch):
+    """Ollama's keep_alive 0: the model unloads once the asking request is done; a single-model server, which
+    otherwise answers 503 while its model is not loaded, loads it on the next request. A pinned models.toml entry
+    stays, and so does a model handed over already loaded (nothing could load it again)."""
+    monkeypatch.setattr("quantserve.server.router._facts_of", lambda llm: {"context_length": llm.n_ctx})
+
+    async def main():
+        r = _router(_slot("one", pinned=True), single=True)
+        r.start()
+        await asyncio.sleep(0.1)
+        held: list = []
+        first = await r.acquire(held, "one")
+        slot = r.slots["one"]
+        assert r.unload_on_request(slot, "keep_alive=0")
+        await asyncio.sleep(0.05)
+        assert slot.status == "unloading" and not first.closed  # the request still holds it
+        r.release(held)
+        await asyncio.wait_for(asyncio.shield(slot.task), 5)
+        assert first.closed and slot.status == "unloaded" and slot.facts == {"context_length": 64}
+        again = await r.acquire(held, "one")
+        assert again is not first and slot.status == "loaded"
+        r.release(held)
+
+        pinned = _router(_slot("p", pinned=True), _slot("a"))
+        pinned.start()
+        await asyncio.sleep(0.1)
+        assert not pinned.unload_on_request(pinned.slots["p"], "keep_alive=0")
+        given = Slot("g", None, EngineSettings(), pinned=True, names=frozenset({"g"}))
+        given.llm, given.status = FakeLLM("g"), "loaded"
+        assert not _router(given, single=True).unload_on_request(given, "keep_alive=0")
+
+    asyncio.run(main())
+    assert loads == ["one", "one", "p"]
+
+
+@pytest.mark.parametrize(
+    "value, seconds",
+    [(0, 0.0), ("0", 0.0), ("0s", 0.0), (300, 300.0), ("300", 300.0), ("5m", 300.0), ("1h30m", 5400.0),
+     ("1.5h", 5400.0), ("250ms", 0.25), (-1, None), ("-1m", None), (None, None)],
+)  # fmt: skip
+def test_ollama_keep_alive_durations(value, seconds):
+    from quantserve.server.ollama.protocol import keep_alive_seconds
+
+    assert keep_alive_seconds(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5x", "", "m", True])
+def test_ollama_keep_alive_refuses_what_is_no_duration(value):
+    from quantserve.errors import InvalidRequestError
+    from quantserve.server.ollama.protocol import keep_alive_seconds
+
+    with pytest.raises(InvalidRequestError, match="keep_alive"):
+        keep_alive_seconds(value)

@@ -263,3 +263,42 @@ def test_image_url_from_an_allowed_host_and_urls_switched_off(tiny_llava, tmp_pa
                 srv.stop()
     finally:
         httpd.shutdown()
+
+
+def test_ollama_client_chat_with_images(vision_server):
+    """Ollama's `images` (base64, any format) read as the OpenAI route's image parts: the same answer as the same
+    chat through /v1/chat/completions (Ollama puts a message's images before its text); bytes that are no image
+    get Ollama's error shape."""
+    import ollama
+
+    client = openai.OpenAI(base_url=vision_server.base_url + "/v1", api_key="x")
+    olla = ollama.Client(host=vision_server.base_url, timeout=300)
+    text = "What is in the picture?"
+    for name, mime in (("wide.png", "image/png"), ("tall.jpg", "image/jpeg")):
+        image = sample_images()[name]
+        got = olla.chat(
+            model=vision_server.model,
+            messages=[{"role": "user", "content": text, "images": [image]}],
+            options={"temperature": 0, "num_predict": 12},
+        )
+        parts = [
+            {"type": "image_url", "image_url": {"url": data_uri(image, mime)}},
+            {"type": "text", "text": text},
+        ]
+        want = client.chat.completions.create(
+            model=vision_server.model,
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=12,
+            temperature=0,
+        )
+        assert got.message.content == want.choices[0].message.content
+        assert (
+            got.eval_count == want.usage.completion_tokens
+            and got.prompt_eval_count == want.usage.prompt_tokens
+        )
+    assert "vision" in olla.show(vision_server.model).capabilities
+    bad = {"role": "user", "content": text, "images": [base64.b64encode(b"not an image at all").decode()]}
+    r = httpx.post(
+        vision_server.base_url + "/api/chat", json={"model": vision_server.model, "messages": [bad]}
+    )
+    assert r.status_code == 400 and list(r.json()) == ["error"] and "images[0]" in r.json()["error"], r.text

@@ -147,7 +147,8 @@ def test_plain_gemm_matches_reference(m, k, n, group, dtype, zp, act, bits):
     bias = torch.randn(n).to(dtype)
     check(plain_gemm(x, state, bias, interpret=True), x, mw, bias)
     for cfg in (PlainConfig(16, 64, 32, split_k=3), PlainConfig(2, 64, 32, split_k=2, use_dot=False)):
-        if m <= 16:  # the interpreter runs each row block in turn: the 33-row cases cost too much for what they add
+        # the interpreter runs each row block in turn: the 33-row cases cost too much for what they add
+        if m <= 16:
             check(plain_gemm(x, state, bias, config=cfg, interpret=True), x, mw, bias)
     dense = dequantize_marlin(mw)
     assert torch.equal(

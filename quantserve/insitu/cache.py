@@ -87,6 +87,12 @@ class QuantCache:
         shutil.rmtree(d)
         return True
 
+    def remove_source(self, source: Path) -> list[CacheEntry]:
+        """Remove every conversion of the checkpoint at `source` (a directory, or a file in it); returns them."""
+        directory = source if source.is_dir() else source.parent
+        gone = [e for e in self.entries() if Path(e.source) == directory]
+        return [e for e in gone if self.remove(e.key)]
+
     # ---- internals ----------------------------------------------------------------------------
 
     def _entry(self, meta: Path) -> CacheEntry | None:

@@ -29,6 +29,7 @@ from quantserve.server.middleware import (
     LeaseMiddleware,
     RequestMetricsMiddleware,
 )
+from quantserve.server.ollama import routes as ollama_routes
 from quantserve.server.openai import routes as openai_routes
 from quantserve.server.openai.protocol import EmbeddingRequest
 from quantserve.server.responses import routes as responses_routes
@@ -92,6 +93,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(ollama_routes.router)
 
     @app.get("/", include_in_schema=False)
     async def chat_page():
@@ -114,6 +116,8 @@ def create_app(
         slot = next(iter(router.slots.values()))
         if slot.llm is not None:
             return {"status": "ready", "model": slot.llm.name}
+        if slot.parked and slot.error is None:  # unloaded at a client's request; the next request loads it
+            return {"status": "ready", "model": slot.name, "model_status": slot.status}
         if slot.error is not None:
             return error_response(
                 503,
@@ -138,13 +142,18 @@ def create_app(
     @app.get("/v1/models")
     async def list_models():
         if router.single:
+            only = next(iter(router.slots.values()))
+            if only.parked and only.llm is None:  # unloaded at a client's request: say so
+                return {"object": "list", "data": [slot_card(only)]}
             return {"object": "list", "data": [model_card(router.single_llm())]}
         return {"object": "list", "data": [slot_card(s) for s in router.slots.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
         slot = router.find(model_id)
-        return model_card(router.single_llm()) if router.single else slot_card(slot)
+        if router.single and not (slot.parked and slot.llm is None):
+            return model_card(router.single_llm())
+        return slot_card(slot)
 
     @app.post("/models/load")
     async def load_model(body: ModelAction, request: Request):

@@ -1,4 +1,5 @@
-"""Maps exception types to OpenAI error objects: {"error": {message, type, param, code}}."""
+"""Maps exception types to each API's error object: OpenAI's {"error": {message, type, param, code}}, Anthropic's
+{"type": "error", "error": {type, message}} under /v1/messages and Ollama's {"error": message} under /api/."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ _HTTP_TYPES = {
 
 
 ANTHROPIC_ROUTES = "/v1/messages"  # and /v1/messages/count_tokens
+OLLAMA_ROUTES = "/api/"  # Ollama's native API: {"error": "..."}
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -48,6 +50,8 @@ def anthropic_error_body(message: str, type_: str) -> dict:
 def _body_for(path: str, status: int, message: str, type_: str, param=None, code=None) -> dict:
     if path.startswith(ANTHROPIC_ROUTES):
         return anthropic_error_body(message, _ANTHROPIC_TYPES.get(status, "api_error"))
+    if path.startswith(OLLAMA_ROUTES):
+        return {"error": message}
     return error_body(message, type_, param, code)
 
 

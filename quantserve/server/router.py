@@ -69,6 +69,23 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await done
 
 
+def _facts_of(llm: LLM) -> dict:
+    """Slot.facts of a loaded model (a single-model server's slot has none until it unloads)."""
+    images = llm.takes_images
+    return {
+        "context_length": llm.n_ctx,
+        "backend": llm.info.backend,
+        "format": llm.info.format,
+        "architecture": llm.info.architecture,
+        "input_modalities": ["text", "image"] if images else ["text"],
+        "capabilities": [
+            "completion",
+            *(["chat"] if llm.chat_template else []),
+            *(["vision"] if images else []),
+        ],
+    }
+
+
 class ModelRouter:
     def __init__(
         self,
@@ -134,7 +151,7 @@ class ModelRouter:
             ModelLoadingError: it failed to load (503, naming the cause; again at once for RETRY_FAILED_S), or,
                 on a single-model server, it is still loading.
         """
-        if self.single:
+        if self.single and not next(iter(self.slots.values())).parked:
             self.single_llm()  # 503 while it loads or after it failed, whatever the name (as ever)
         slot = self.find(requested)
         while True:
@@ -324,6 +341,8 @@ class ModelRouter:
                 )
             await slot.idle.wait()
             llm, slot.llm = slot.llm, None
+            if self.single and not slot.facts:  # a router-mode slot has its facts from before it loaded
+                slot.facts = _facts_of(llm)  # /v1/models still says what it is
             t = time.perf_counter()
             await _in_thread(llm.close)
             del llm
@@ -333,6 +352,30 @@ class ModelRouter:
             log.info("model %s unloaded (%s) in %.1fs", slot.name, reason, time.perf_counter() - t)
         finally:
             slot.status, slot.task = "unloaded", None
+
+    def can_unload_on_request(self, slot: Slot) -> bool:
+        """Whether a client may unload `slot` (Ollama's keep_alive): not a pinned models.toml entry, nor a model
+        handed to the app already loaded (nothing could load it again)."""
+        return slot.resolved is not None and (self.single or not slot.pinned)
+
+    def unload_on_request(self, slot: Slot, reason: str) -> bool:
+        """Unload `slot` once its requests in flight finish, as a client asked; the next request for it loads
+        it again (on a single-model server too). Returns False where can_unload_on_request says no."""
+        if not self.can_unload_on_request(slot) or slot.status not in ("loaded", "unloading"):
+            return False
+        slot.parked = True
+        self.start_unload(slot, reason)
+        return True
+
+    def set_keep_alive(self, slot: Slot, seconds: float | None) -> None:
+        """A client's keep_alive: `slot` unloads once idle that long (None: never), until another says else."""
+        if not self.can_unload_on_request(slot):
+            return
+        slot.keep_alive = seconds
+        if seconds is not None:
+            slot.parked = True
+            if self._reaper is None:
+                self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="keep_alive")
 
     async def unload(self, requested: str) -> Slot:
         """Admin unload (POST /models/unload): after the requests in flight on it.

@@ -47,6 +47,9 @@ class Slot:
     leases: int = 0  # requests using the model now
     pending: int = 0  # requests waiting on its load; the load hands each a lease
     last_used: float = 0.0
+    # a client has asked for it to unload (Ollama's keep_alive, now or once idle): from then on a single-model
+    # server loads it again on the next request instead of answering 503
+    parked: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no lease is held
     # router mode: resolves the entry and reads its facts; run again at load time while `resolved` is None, so a
     # file put right after startup is found (and a hub model is downloaded on its first request, not at startup)

@@ -220,6 +220,15 @@ class TorchRunner:
             cache.popitem(last=False)
         return out
 
+    def embed(self, tokens: list[int]) -> list[float]:
+        """Mean-pooled, L2-normalised final hidden states (after the last norm) of one input, as llama.cpp's
+        mean pooling gives. A forward of its own without the KV cache: it reads the weights only, so it may run
+        on its own thread beside the engine's."""
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor([tokens], device=self.device))[0].double().mean(0)
+            vec = hidden / (hidden.norm() or 1.0)
+        return vec.cpu().tolist()
+
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:
             self.sampler.remove(seq)

@@ -1,0 +1,1 @@
+"""Ollama's native API (/api/...): quantserve.server.ollama.routes."""
