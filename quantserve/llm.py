@@ -197,6 +197,10 @@ class LLM:
             add_special = add_special and not text.startswith(self.chat_template.bos_token)
         return self._runner.tokenize(text, add_special=add_special, parse_special=True)
 
+    def tokenize_text(self, text: str) -> list[int]:
+        """`text`'s tokens as they would appear inside a prompt: no BOS, special-token text read as text."""
+        return self._runner.tokenize(text, add_special=False, parse_special=False)
+
     def check_context(self, n_prompt: int, max_tokens: int | None) -> int:
         """Returns the max_tokens to use. Raises ContextLengthExceededError like OpenAI/vLLM do."""
         if n_prompt == 0:

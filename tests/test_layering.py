@@ -23,7 +23,7 @@ LAYERS = (
     ("backends",),
     ("engine",),
     ("llm",),
-    ("evaluate",),
+    ("evaluate", "rerank"),
     ("conversion_quality",),  # scores with evaluate
     ("server", "converters"),
     ("cli",),

@@ -30,6 +30,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # with logprobs: these tokens' logprobs are reported too, whatever was sampled (the reranker's yes and no)
+    logprob_tokens: tuple[int, ...] = ()
     grammar: Grammar | None = None  # the output must match it (a token mask from llguidance, both backends)
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     ignore_eos: bool = False

@@ -32,6 +32,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob) best first
+    asked: tuple[float, ...] = ()  # the logprobs of SamplingParams.logprob_tokens, in their order
 
 
 @dataclass(frozen=True)

@@ -247,6 +247,7 @@ def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = (
         ("bits per weight", [f"{s.bits_per_weight:.2f}"]),
         ("context length", [str(s.context_length) if s.context_length else "unknown"]),
         ("chat template", ["yes" if s.has_chat_template else "no"]),
+        ("rerank", ["yes/no judge with its chat template (/v1/rerank)" if s.has_chat_template else "no"]),
         ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
         *([("vision", [s.vision])] if s.vision else []),

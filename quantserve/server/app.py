@@ -32,6 +32,7 @@ from quantserve.server.middleware import (
 from quantserve.server.ollama import routes as ollama_routes
 from quantserve.server.openai import routes as openai_routes
 from quantserve.server.openai.protocol import EmbeddingRequest
+from quantserve.server.rerank import router as rerank_router
 from quantserve.server.responses import routes as responses_routes
 from quantserve.server.responses.store import ResponseStore
 from quantserve.server.settings import ServerSettings
@@ -94,6 +95,7 @@ def create_app(
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(ollama_routes.router)
+    app.include_router(rerank_router)
 
     @app.get("/", include_in_schema=False)
     async def chat_page():

@@ -21,6 +21,7 @@ from quantserve.registry import (
     parse_duration,
     resolve,
 )
+from quantserve.rerank import rerank_kind
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
 from quantserve.server.router import ModelRouter
@@ -68,7 +69,12 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
         "format": spec.format,
         "architecture": spec.architecture,
         "input_modalities": ["text", "image"] if vision else ["text"],
-        "capabilities": ["completion", *(["chat"] if chat else []), *(["vision"] if vision else [])],
+        "capabilities": [
+            "completion",
+            *(["chat"] if chat else []),
+            *(["vision"] if vision else []),
+            *(["rerank"] if chat else []),  # a chat model judges yes or no (quantserve.rerank)
+        ],
     }
     return facts, memory.estimate_bytes(spec, settings, backend)
 
@@ -174,6 +180,7 @@ def model_card(llm: LLM) -> dict:
     capabilities += ["tools"] if llm.chat_template is not None and llm.tool_format else []
     capabilities += ["vision"] if llm.takes_images else []
     capabilities += ["embeddings"] if llm.can_embed else []
+    capabilities += ["rerank"] if rerank_kind(llm) else []
     return {
         "id": llm.name,
         "object": "model",

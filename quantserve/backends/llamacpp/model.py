@@ -19,6 +19,7 @@ from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
 from quantserve.core.runner import DropKV, KVCacheFull, KVSpec, VisionSpec
+from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, ModelFileError
@@ -281,7 +282,7 @@ class LlamaCppRunner:
             # The grammar's mask goes straight into llama.cpp's logits, before the chain samples them.
             seq.guide.mask(logits)
         tok = chain.sample(self.ctx, idx)
-        lp = self._logprob(raw, tok, seq.params.top_logprobs) if seq.params.logprobs else None
+        lp = self._logprob(raw, tok, seq.params) if seq.params.logprobs else None
         return SampledToken(tok, lp)
 
     def _execute_with_images(self, seq: Sequence, n: int) -> SampledToken | None:
@@ -298,16 +299,17 @@ class LlamaCppRunner:
         return chain
 
     @staticmethod
-    def _logprob(logits: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    def _logprob(logits: np.ndarray, token: int, params: SamplingParams) -> TokenLogprob:
         """The model's own logprobs (before sampling filters and any grammar mask)."""
         m = float(logits.max())
         lse = m + float(np.log(np.exp(logits - m).sum()))
         top: tuple[tuple[int, float], ...] = ()
-        if top_n > 0:
+        if (top_n := params.top_logprobs) > 0:
             cand = np.argpartition(-logits, top_n - 1)[:top_n]
             cand = cand[np.argsort(-logits[cand], kind="stable")]
             top = tuple((int(t), float(logits[t]) - lse) for t in cand)
-        return TokenLogprob(token, float(logits[token]) - lse, top)
+        asked = tuple(float(logits[t]) - lse for t in params.logprob_tokens)
+        return TokenLogprob(token, float(logits[token]) - lse, top, asked)
 
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:

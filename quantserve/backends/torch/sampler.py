@@ -241,11 +241,7 @@ class Sampler:
             tokens[rand] = self._sample_random(x[rand], [states[i] for i in rand])
         token_list: list[int] = tokens.tolist()
         lp_rows = [i for i, p in enumerate(params) if p.logprobs]
-        lps = (
-            _logprobs(logits, lp_rows, token_list, [params[i].top_logprobs for i in lp_rows])
-            if lp_rows
-            else {}
-        )
+        lps = _logprobs(logits, lp_rows, token_list, [params[i] for i in lp_rows]) if lp_rows else {}
         return [SampledToken(t, lps.get(i)) for i, t in enumerate(token_list)]
 
     def _sample_random(self, x: torch.Tensor, states: list[_SeqState]) -> torch.Tensor:
@@ -272,18 +268,20 @@ def _penalty_window(seq: Sequence, last_n: int) -> list[int]:
 
 
 def _logprobs(
-    logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]
+    logits: torch.Tensor, rows: list[int], tokens: list[int], params: list[SamplingParams]
 ) -> dict[int, TokenLogprob]:
-    """Raw log-softmax logprob of each chosen token and its row's `tops` best tokens, for the given rows."""
+    """Raw log-softmax logprob of each chosen token, its row's top_logprobs best tokens and its logprob_tokens,
+    for the given rows."""
     lsm = torch.log_softmax(logits[rows], dim=-1)
     chosen = [tokens[i] for i in rows]
     chosen_lp = lsm.gather(1, torch.tensor(chosen, device=lsm.device)[:, None]).squeeze(1).tolist()
+    tops = [p.top_logprobs for p in params]
     n = max(tops)
     top_v, top_i = lsm.topk(n, dim=-1) if n else (lsm[:, :0], lsm[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    return {
-        i: TokenLogprob(
-            chosen[j], chosen_lp[j], tuple(zip(top_i[j][: tops[j]], top_v[j][: tops[j]], strict=True))
-        )
-        for j, i in enumerate(rows)
-    }
+    out = {}
+    for j, i in enumerate(rows):
+        asked = tuple(lsm[j, list(params[j].logprob_tokens)].tolist()) if params[j].logprob_tokens else ()
+        top = tuple(zip(top_i[j][: tops[j]], top_v[j][: tops[j]], strict=True))
+        out[i] = TokenLogprob(chosen[j], chosen_lp[j], top, asked)
+    return out

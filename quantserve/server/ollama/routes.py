@@ -31,6 +31,7 @@ from quantserve.chat import ChatRequest
 from quantserve.errors import InvalidRequestError, ModelNotFoundError, QuantserveError
 from quantserve.insitu.cache import QuantCache
 from quantserve.llm import LLM
+from quantserve.rerank import rerank_kind
 from quantserve.server.generation import Choice, collect, merge, start, start_chat, until_disconnect
 from quantserve.server.ollama.protocol import (
     ChatBody,
@@ -392,6 +393,7 @@ def _capabilities(slot: Slot, facts: dict[str, Any] | None) -> list[str]:
         caps += ["tools"] if llm.chat_template is not None and llm.tool_format else []
         caps += ["vision"] if llm.takes_images else []
         caps += ["embedding"] if llm.can_embed else []
+        caps += ["rerank"] if rerank_kind(llm) else []  # /v1/rerank (Ollama has no name for it yet)
         return caps
     known = slot.facts.get("capabilities", [])
     caps = ["completion", *(["tools"] if "chat" in known else [])]

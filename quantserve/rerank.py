@@ -1,0 +1,113 @@
+"""Reranking with a causal LM as a yes/no judge (the Qwen3-Reranker recipe): each document goes after the query
+in the model's own chat template, and its relevance is the probability of "yes" over "yes" + "no" as the first
+token of the reply, i.e. the softmax over those two logits. Any chat model can judge this way, on either
+backend; Qwen3-Reranker is trained for exactly this prompt.
+
+All documents of a request go to the engine at once, as one prompt each: they run batched, and the shared
+prefix (the instruction and the query) is computed once, by the prefix cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from dataclasses import dataclass
+
+from quantserve.errors import InvalidRequestError
+from quantserve.llm import LLM
+
+# Qwen3-Reranker's system prompt and default instruction (its model card), which other chat models follow too.
+JUDGE_SYSTEM = (
+    "Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the "
+    'answer can only be "yes" or "no".'
+)
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+@dataclass(frozen=True)
+class Ranked:
+    index: int
+    relevance_score: float
+
+
+def answer_tokens(llm: LLM) -> tuple[int, int]:
+    """The token ids of "yes" and "no" as the reply's first token.
+
+    Raises:
+        InvalidRequestError: the tokenizer splits either word (the model cannot be judged in one step).
+    """
+    ids = []
+    for word in ("yes", "no"):
+        toks = llm.tokenize_text(word)
+        if len(toks) != 1:
+            raise InvalidRequestError(
+                f"model {llm.name!r} cannot rerank: its tokenizer splits {word!r} into {len(toks)} tokens",
+                param="model",
+            )
+        ids.append(toks[0])
+    return ids[0], ids[1]
+
+
+def judge_prompt(llm: LLM, query: str, document: str, instruction: str | None = None) -> list[int]:
+    """The tokens after which the model answers yes or no: system, the user turn with the instruction, the query
+    and the document, then the assistant's turn opened (for a thinking template, with thinking left empty)."""
+    user = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+    messages = [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
+    return llm.tokenize_prompt(llm.render_chat(messages, enable_thinking=False), chat=True)
+
+
+async def judge(
+    llm: LLM, query: str, documents: list[str], instruction: str | None = None
+) -> tuple[list[float], int]:
+    """Each document's relevance in [0, 1], in the documents' order, and the prompt tokens used.
+
+    Raises:
+        InvalidRequestError: the model cannot be judged (see answer_tokens), or a prompt is over the context.
+    """
+    yes, no = answer_tokens(llm)
+    prompts = [judge_prompt(llm, query, d, instruction) for d in documents]
+    for i, p in enumerate(prompts):
+        if len(p) >= llm.n_ctx:
+            raise InvalidRequestError(
+                f"documents[{i}] with the query makes {len(p)} tokens, over the context of {llm.n_ctx}; "
+                "shorten it or serve the model with a larger --ctx-size",
+                param=f"documents[{i}]",
+            )
+    params = llm.sampling_params(max_tokens=1, temperature=0.0, logprobs=True, logprob_tokens=(yes, no))
+    rid = f"rerank-{uuid.uuid4().hex}"
+    wave = max(
+        1, llm.settings.max_queue_len // 2
+    )  # in flight at once: batched, and leaving room in the queue
+    outs = []
+    for lo in range(0, len(prompts), wave):
+        gens = []
+        try:
+            for i, p in enumerate(prompts[lo : lo + wave], lo):
+                gens.append(llm.generate(p, params, f"{rid}-{i}"))
+            outs += await asyncio.gather(*(_last(g) for g in gens))
+        finally:
+            for g in gens:
+                g.close()  # a request that goes away (or a refused one) aborts the rest
+    scores = []
+    for out in outs:
+        lp_yes, lp_no = out.logprobs[0].asked
+        scores.append(1.0 / (1.0 + math.exp(lp_no - lp_yes)))  # softmax over the two logits
+    return scores, sum(len(p) for p in prompts)
+
+
+async def _last(gen):
+    last = None
+    async for out in gen:
+        last = out
+    return last
+
+
+def rerank_kind(llm: LLM) -> str | None:
+    """How `llm` reranks: "judge" (a chat model answering yes or no), or None."""
+    return "judge" if llm.chat_template is not None else None
+
+
+def ranked(scores: list[float], top_n: int | None) -> list[Ranked]:
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return [Ranked(i, scores[i]) for i in order[: top_n or None]]
