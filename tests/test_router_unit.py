@@ -266,6 +266,15 @@ def test_a_client_unload_waits_for_the_request_and_a_single_model_server_loads_a
         again = await r.acquire(held, "one")
         assert again is not first and slot.status == "loaded"
         r.release(held)
+        r.set_keep_alive(slot, 0.2)  # a client's keep_alive duration: the reaper unloads it once idle that long
+        for _ in range(40):
+            await asyncio.sleep(0.1)
+            if slot.status == "unloaded":
+                break
+        assert again.closed and slot.status == "unloaded"
+        await r.acquire(held, "one")
+        r.release(held)
+        r.stop()
 
         pinned = _router(_slot("p", pinned=True), _slot("a"))
         pinned.start()
@@ -276,7 +285,7 @@ def test_a_client_unload_waits_for_the_request_and_a_single_model_server_loads_a
         assert not _router(given, single=True).unload_on_request(given, "keep_alive=0")
 
     asyncio.run(main())
-    assert loads == ["one", "one", "p"]
+    assert loads == ["one", "one", "one", "p"]
 
 
 @pytest.mark.parametrize(

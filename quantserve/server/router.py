@@ -414,7 +414,7 @@ class ModelRouter:
             for slot in self.slots.values():
                 if (
                     slot.status == "loaded"
-                    and not slot.pinned
+                    and (not slot.pinned or slot.parked)  # a single-model server's, after a client's keep_alive
                     and slot.keep_alive is not None
                     and slot.leases == 0
                     and now - slot.last_used >= slot.keep_alive

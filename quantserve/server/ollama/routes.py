@@ -437,7 +437,7 @@ async def ps(request: Request):
         idle = slot.keep_alive
         expires = (
             datetime.fromtimestamp(time.time() + idle + (slot.last_used - time.monotonic()), UTC)
-            if idle is not None and not slot.pinned
+            if idle is not None and (not slot.pinned or slot.parked)
             else datetime(2318, 1, 1, tzinfo=UTC)  # never: Ollama's own far-future date for keep_alive -1
         )
         size = slot.estimate or (facts or {}).get("size", 0)
