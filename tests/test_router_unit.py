@@ -266,7 +266,8 @@ def test_a_client_unload_waits_for_the_request_and_a_single_model_server_loads_a
         again = await r.acquire(held, "one")
         assert again is not first and slot.status == "loaded"
         r.release(held)
-        r.set_keep_alive(slot, 0.2)  # a client's keep_alive duration: the reaper unloads it once idle that long
+        # a client's keep_alive duration: the reaper unloads it once idle that long
+        r.set_keep_alive(slot, 0.2)
         for _ in range(40):
             await asyncio.sleep(0.1)
             if slot.status == "unloaded":

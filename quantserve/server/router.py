@@ -412,9 +412,10 @@ class ModelRouter:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for slot in self.slots.values():
+                # pinned: never, but a single-model server's model once a client has set its keep_alive
                 if (
                     slot.status == "loaded"
-                    and (not slot.pinned or slot.parked)  # a single-model server's, after a client's keep_alive
+                    and (not slot.pinned or slot.parked)
                     and slot.keep_alive is not None
                     and slot.leases == 0
                     and now - slot.last_used >= slot.keep_alive
