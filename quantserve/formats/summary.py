@@ -35,6 +35,7 @@ class ModelSummary:
     quant: dict[str, Any]  # spec.quant
     vision: str | None = None  # a LLaVA's vision side, or what a projector file is
     mmproj: Path | None = None  # the vision projector served with a GGUF model
+    rank_outputs: int = 0  # a reranker GGUF's classification head (GGUFInfo.rank_outputs)
 
 
 def _types_by_class(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -67,6 +68,7 @@ def _summarize_gguf(spec: ModelSpec) -> dict[str, Any]:
         "quant_types": _types_by_class((_gguf_class(t.name), t.type_name) for t in tensors),
         "context_length": infos[0].context_length,
         "has_chat_template": infos[0].chat_template is not None,
+        "rank_outputs": infos[0].rank_outputs,
     }
 
 
@@ -221,6 +223,7 @@ def summarize(path: str | os.PathLike[str] | ModelSpec, mmproj: Path | None = No
         quant=dict(spec.quant),
         vision=vision,
         mmproj=mmproj,
+        rank_outputs=facts.get("rank_outputs", 0),
     )
 
 
@@ -230,6 +233,12 @@ def _count(n: float, units: tuple[str, ...], step: int) -> str:
             return f"{n:.1f}{unit}" if unit != units[0] else f"{int(n)}{unit}"
         n /= step
     raise AssertionError("unreachable")
+
+
+def _rerank_row(s: ModelSummary) -> str:
+    if s.rank_outputs:
+        return f"cross-encoder: a classification head of {s.rank_outputs} output(s), llama.cpp rank pooling (/v1/rerank)"
+    return "yes/no judge with its chat template (/v1/rerank)" if s.has_chat_template else "no"
 
 
 def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = ()) -> str:
@@ -247,7 +256,7 @@ def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = (
         ("bits per weight", [f"{s.bits_per_weight:.2f}"]),
         ("context length", [str(s.context_length) if s.context_length else "unknown"]),
         ("chat template", ["yes" if s.has_chat_template else "no"]),
-        ("rerank", ["yes/no judge with its chat template (/v1/rerank)" if s.has_chat_template else "no"]),
+        ("rerank", [_rerank_row(s)]),
         ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
         *([("vision", [s.vision])] if s.vision else []),

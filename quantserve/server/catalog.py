@@ -53,7 +53,10 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
         vision = resolved.mmproj is not None or find_mmproj(spec.files[0]) is not None
     else:
         vision = any("Llava" in a for a in architectures)
-    if settings.chat_template:
+    ranker = spec.format == "gguf" and read_gguf_info(spec.files[0]).rank_outputs > 0
+    if ranker:
+        chat = False
+    elif settings.chat_template:
         chat = True
     elif spec.format == "gguf":
         chat = read_gguf_info(spec.files[0]).chat_template is not None
@@ -69,7 +72,9 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
         "format": spec.format,
         "architecture": spec.architecture,
         "input_modalities": ["text", "image"] if vision else ["text"],
-        "capabilities": [
+        "capabilities": ["rerank"]  # a cross-encoder (quantserve.rerank)
+        if ranker
+        else [
             "completion",
             *(["chat"] if chat else []),
             *(["vision"] if vision else []),
@@ -175,7 +180,7 @@ def build_router(
 def model_card(llm: LLM) -> dict:
     """/v1/models' entry for a loaded model: OpenAI's fields, plus what it is and can do."""
     info = llm.info
-    capabilities = ["completion"]
+    capabilities = [] if llm.rank_outputs else ["completion"]
     capabilities += ["chat"] if llm.chat_template is not None else []
     capabilities += ["tools"] if llm.chat_template is not None and llm.tool_format else []
     capabilities += ["vision"] if llm.takes_images else []

@@ -1,6 +1,6 @@
 """POST /v1/rerank and /rerank in the Jina/Cohere shape (as llama-server and vLLM serve them): a query and
-documents in, the documents' indices by relevance out, each scored by the model as a yes/no judge
-(quantserve.rerank)."""
+documents in, the documents' indices by relevance out, each scored by a cross-encoder's head or by the model as
+a yes/no judge (quantserve.rerank)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantserve.errors import InvalidRequestError
-from quantserve.rerank import judge, ranked, rerank_kind
+from quantserve.rerank import classify, judge, ranked, rerank_kind
 from quantserve.server.state import ServerState
 
 router = APIRouter()
@@ -30,9 +30,8 @@ class RerankRequest(BaseModel):
     documents: list[str | TextDocument] = Field(min_length=1, max_length=MAX_DOCUMENTS)
     top_n: int | None = Field(default=None, ge=1)
     return_documents: bool = True
-    instruction: str | None = (
-        None  # the yes/no judge's task (Qwen3-Reranker's "Instruct"); a default otherwise
-    )
+    # the yes/no judge's task (Qwen3-Reranker's "Instruct"), a default otherwise; a cross-encoder takes none
+    instruction: str | None = None
 
 
 @router.post("/v1/rerank")
@@ -44,12 +43,17 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
     if any(not t for t in texts):
         i = next(i for i, t in enumerate(texts) if not t)
         raise InvalidRequestError(f"'documents[{i}]' is empty", param=f"documents[{i}]")
-    if rerank_kind(llm) != "judge":
+    kind = rerank_kind(llm)
+    if kind is None:
         raise InvalidRequestError(
-            f"model {llm.name!r} cannot rerank: it has no chat template to judge with; serve a chat model",
+            f"model {llm.name!r} cannot rerank: it has no classification head and no chat template to judge "
+            "with; serve a reranker or a chat model",
             param="model",
         )
-    scores, n_tokens = await judge(llm, body.query, texts, body.instruction)
+    if kind == "classifier":
+        scores, n_tokens = await classify(llm, body.query, texts)
+    else:
+        scores, n_tokens = await judge(llm, body.query, texts, body.instruction)
     results = []
     for r in ranked(scores, body.top_n):
         item: dict[str, Any] = {"index": r.index, "relevance_score": r.relevance_score}

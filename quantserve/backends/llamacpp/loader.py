@@ -99,13 +99,21 @@ def load_llamacpp(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
         from quantserve.backends.llamacpp.probe import PROBES
 
         PROBES.check(gguf_path, mmproj)
-    runner = LlamaCppRunner(gguf_path, settings, n_ctx_train=info.context_length, mmproj=mmproj)
+    if info.rank_outputs:
+        log.info(
+            "%s has a classification head (%d output(s)): served as a reranker on /v1/rerank, not for generation",
+            gguf_path.name,
+            info.rank_outputs,
+        )
+    runner = LlamaCppRunner(
+        gguf_path, settings, n_ctx_train=info.context_length, mmproj=mmproj, rank_outputs=info.rank_outputs
+    )
     return LoadedModel(
         runner=runner,
         info=ModelInfo(
             architecture=info.architecture, n_params=info.n_params, format="gguf", backend="llamacpp"
         ),
-        chat_template=info.chat_template,
+        chat_template=None if info.rank_outputs else info.chat_template,
         template_origin=str(gguf_path),
         bos_token=runner.special_text(runner.bos_token),
         eos_token=runner.special_text(runner.eos_token),

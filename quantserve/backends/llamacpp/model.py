@@ -38,7 +38,12 @@ class LlamaCppRunner:
     Not thread-safe: the engine thread is its only caller (embeddings use a context of their own)."""
 
     def __init__(
-        self, path: Path, settings: EngineSettings, n_ctx_train: int | None = None, mmproj: Path | None = None
+        self,
+        path: Path,
+        settings: EngineSettings,
+        n_ctx_train: int | None = None,
+        mmproj: Path | None = None,
+        rank_outputs: int = 0,
     ):
         init_backend()
         self.path = Path(path)
@@ -94,6 +99,13 @@ class LlamaCppRunner:
                 f"flash_attn {own.flash_attn!r} is not one of auto, on, off", param="flash_attn"
             )
         cparams.flash_attn_type = FLASH_ATTN[own.flash_attn]
+        # A reranker (a classification head, see GGUFInfo.rank_outputs) only scores whole inputs: its context
+        # pools each sequence through the head, and a batch must fit one ubatch (an encoder attends both ways).
+        self.rank_outputs = rank_outputs
+        if rank_outputs:
+            cparams.embeddings = True
+            cparams.pooling_type = lc.LLAMA_POOLING_TYPE_RANK
+            cparams.n_batch = cparams.n_ubatch = max(settings.n_batch, self.n_ctx)
         self.ctx = lc.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lc.llama_model_free(self.model)
@@ -122,8 +134,8 @@ class LlamaCppRunner:
             own.flash_attn,
         )
         self.n_threads = threads
-        self.memory = lc.llama_get_memory(self.ctx)
-        self.batch = lc.llama_batch_init(settings.n_batch, 0, 1)
+        self.memory = lc.llama_get_memory(self.ctx)  # NULL for an encoder, which keeps no KV cache
+        self.batch = lc.llama_batch_init(cparams.n_batch, 0, 1)
         self._pieces: list[bytes | None] = [None] * self.n_vocab
         self._special_pieces: list[bytes | None] = [None] * self.n_vocab
         self._eog = {t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)}
@@ -214,6 +226,23 @@ class LlamaCppRunner:
 
     def adds_bos(self) -> bool:
         return bool(lc.llama_vocab_get_add_bos(self.vocab))
+
+    def pair_input(self, query: str, document: str) -> list[int]:
+        """A cross-encoder's input for a query and a document, as llama-server's format_prompt_rerank
+        (tools/server/server-common.cpp) builds it: the GGUF's rerank template with {query} and {document}
+        filled in where it has one; else BOS if the vocabulary adds one, the query, EOS (SEP where there is no
+        EOS) if it adds one, SEP if it adds one, the document, and EOS again."""
+        template = lc.llama_model_chat_template(self.model, b"rerank")
+        if template:
+            text = template.decode("utf-8").replace("{query}", query).replace("{document}", document)
+            return self.tokenize(text, add_special=False, parse_special=True)
+        bos, eos, sep = self.bos_token, self.eos_token, lc.llama_vocab_sep(self.vocab)
+        eos = eos if eos >= 0 else sep
+        add_eos = [eos] if lc.llama_vocab_get_add_eos(self.vocab) and eos >= 0 else []
+        add_sep = [sep] if lc.llama_vocab_get_add_sep(self.vocab) and sep >= 0 else []
+        q = self.tokenize(query, add_special=False, parse_special=False)
+        d = self.tokenize(document, add_special=False, parse_special=False)
+        return [bos] * (self.adds_bos() and bos >= 0) + q + add_eos + add_sep + d + add_eos
 
     def check_params(self, params) -> None:
         """Build the sampler chain once, so a bad logit_bias is a 400 for this request, not an engine failure."""
@@ -329,6 +358,42 @@ class LlamaCppRunner:
             if hi >= 0:
                 total += hi - lc.llama_memory_seq_pos_min(self.memory, sid) + 1
         return total
+
+    # ---- reranking ----------------------------------------------------------------------------
+
+    def rank(self, inputs: list[list[int]]) -> list[list[float]]:
+        """The classification head's outputs for each input (a query and a document joined, see pair_input),
+        several inputs per decode: up to max_num_seqs of them and n_batch tokens."""
+        assert self.rank_outputs, "rank() on a model without a classification head"
+        limit = lc.llama_n_batch(self.ctx)
+        b = self.batch
+        out: list[list[float]] = []
+        i = 0
+        while i < len(inputs):
+            group: list[list[int]] = []
+            n = 0
+            while i < len(inputs) and len(group) < self.settings.max_num_seqs and n + len(inputs[i]) <= limit:
+                group.append(inputs[i])
+                n += len(inputs[i])
+                i += 1
+            if not group:
+                raise ValueError(f"an input of {len(inputs[i])} tokens is over the batch of {limit}")
+            if self.memory:
+                lc.llama_memory_clear(self.memory, True)
+            k = 0
+            for sid, tokens in enumerate(group):
+                for pos, t in enumerate(tokens):
+                    b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = t, pos, 1, 1
+                    b.seq_id[k][0] = sid
+                    k += 1
+            b.n_tokens = k
+            rc = lc.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} while ranking")
+            for sid in range(len(group)):
+                row = lc.llama_get_embeddings_seq(self.ctx, sid)
+                out.append([float(row[j]) for j in range(self.rank_outputs)])
+        return out
 
     # ---- embeddings ---------------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 Our validator (quantserve.formats.gguf) refuses the malformed files it knows of, but llama.cpp has hundreds of
 GGML_ASSERTs, and one that fires calls abort(), which no Python code can catch: in a server it would take down
 every model. So the child loads the file exactly as LlamaCppRunner does, tokenizes a little text and evaluates one
-token through the real decode path (some asserts fire only when the compute graph is built); the parent turns a
-child killed by a signal into a ModelFileError. A probe costs one extra load, so results are cached per file.
+token through the real decode path, or for a reranker one pair through its head (some asserts fire only when the
+compute graph is built); the parent turns a child killed by a signal into a ModelFileError. A probe costs one
+extra load, so results are cached per file.
 
 The child runs on the CPU with llama.cpp's default context settings (a 64-cell context, no GPU layers): an abort
 that only a GPU backend, flash attention or a quantized KV cache would trigger is not found here, and one the CPU
@@ -194,8 +195,17 @@ def _child(argv: list[str]) -> int:
     try:
         info = read_gguf_info(args.path)
         settings = EngineSettings(ctx_size=PROBE_CTX, n_batch=PROBE_CTX, max_num_seqs=1, threads=1)
-        runner = LlamaCppRunner(args.path, settings, n_ctx_train=info.context_length, mmproj=args.mmproj)
+        runner = LlamaCppRunner(
+            args.path,
+            settings,
+            n_ctx_train=info.context_length,
+            mmproj=args.mmproj,
+            rank_outputs=info.rank_outputs,
+        )
         try:
+            if runner.rank_outputs:  # a reranker: one pair through its classification head
+                runner.rank([runner.pair_input(SAMPLE_TEXT, SAMPLE_TEXT)])
+                return 0
             tokens = runner.tokenize(SAMPLE_TEXT, add_special=True, parse_special=True) or [0]
             seq = Sequence(
                 "probe",

@@ -389,13 +389,15 @@ def _capabilities(slot: Slot, facts: dict[str, Any] | None) -> list[str]:
     (a chat template means tools: every template gets a tool-call format)."""
     llm = slot.llm
     if llm is not None:
-        caps = ["completion"]
+        caps = [] if llm.rank_outputs else ["completion"]
         caps += ["tools"] if llm.chat_template is not None and llm.tool_format else []
         caps += ["vision"] if llm.takes_images else []
         caps += ["embedding"] if llm.can_embed else []
         caps += ["rerank"] if rerank_kind(llm) else []  # /v1/rerank (Ollama has no name for it yet)
         return caps
     known = slot.facts.get("capabilities", [])
+    if known and "completion" not in known:  # a reranker
+        return [c for c in known if c == "rerank"]
     caps = ["completion", *(["tools"] if "chat" in known else [])]
     return caps + (["vision"] if "vision" in known or (facts or {}).get("vision") else [])
 
