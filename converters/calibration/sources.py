@@ -80,7 +80,8 @@ def self_generated(
     src: str | Path, n_samples: int, seq_len: int, *, seed: int = 0, progress: bool = True
 ) -> torch.Tensor:
     """n_samples sequences of seq_len tokens sampled from the model at `src` (any format quantserve serves),
-    each from a random non-special first token; int64 [n_samples, seq_len]. Reproducible for a seed."""
+    each from a random non-special first token; int64 [n_samples, seq_len]. Reproducible for a seed, up to near
+    ties where the batch's numerics differ from a single sequence's (llama.cpp on CPUs without AVX-512)."""
     from quantserve.core.sampling_params import SamplingParams
     from quantserve.llm import load
 
