@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from quantserve.core.detokenizer import IncrementalDetokenizer
-from quantserve.core.runner import DropKV
+from quantserve.core.runner import CopyKV, DropKV
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence, SequenceStatus
-from quantserve.engine.kv import PACK_MIN_PREFIX_GAIN, PagedKV, SlotKV
+from quantserve.engine.kv import MIN_COPY_GAIN, PACK_MIN_PREFIX_GAIN, PagedKV, SlotKV
 from quantserve.engine.scheduler import Scheduler, SchedulerConfig
 from quantserve.errors import InvalidRequestError
 
@@ -165,6 +165,52 @@ def test_prefix_cache_reuses_the_slot_with_the_longest_common_prefix():
     assert s.admitted == [c] and _slot(c) == slot_a and c.num_computed == len(system)
     assert [(q.request_id, n) for q, n in s.plan] == [("c", 2)]  # only the new suffix is computed
     assert s.kv_ops == [DropKV(slot_a, len(system))]  # the slot's cache past the shared prefix goes
+
+
+def test_per_sequence_kv_copies_a_shared_prefix_into_other_slots():
+    """A rerank request's documents: the first computes the long shared prefix alone, then the rest start together
+    in several slots. One reuses that slot's cache; the others get its prefix copied in (from a running slot too),
+    and compute only their own tokens."""
+    sched = _sched(4, 256, 4 * 64, caching=True, shared=False, pack=True)
+    prefix = list(range(100, 100 + MIN_COPY_GAIN + 8))
+    first = _seq("first", 0)
+    first.tokens = prefix + [1, 2]
+    sched.add(first)
+    _run(sched, sched.schedule().plan)
+    _finish_all(sched)
+    docs = [_seq(f"d{i}", 0) for i in range(3)]
+    for i, d in enumerate(docs):
+        d.tokens = prefix + [10 + i, 20 + i]
+        sched.add(d)
+    s = sched.schedule()
+    assert s.admitted == docs and all(d.num_computed == len(prefix) for d in docs)
+    assert [(q.request_id, n) for q, n in s.plan] == [("d0", 2), ("d1", 2), ("d2", 2)]
+    slot0 = _slot(docs[0])
+    assert s.kv_ops == [DropKV(slot0, len(prefix))] + [CopyKV(slot0, _slot(d), len(prefix)) for d in docs[1:]]
+
+
+def test_a_prefix_shorter_than_the_copy_gain_is_computed_again():
+    sched = _sched(2, 256, 2 * 64, caching=True, shared=False, pack=True)
+    prefix = list(range(100, 100 + MIN_COPY_GAIN - 1))
+    a, b = _seq("a", 0), _seq("b", 0)
+    a.tokens, b.tokens = prefix + [1], prefix + [2]
+    sched.add(a)
+    _run(sched, sched.schedule().plan)
+    sched.add(b)  # a is still running: its slot holds the prefix, too short to be worth a copy
+    s = sched.schedule()
+    assert s.admitted == [b] and b.num_computed == 0 and s.kv_ops == []
+
+
+def test_the_unified_pool_never_copies():
+    sched = _sched(2, 256, 200, caching=True, shared=True, pack=True)
+    prefix = list(range(100, 100 + 2 * MIN_COPY_GAIN))
+    a, b = _seq("a", 0), _seq("b", 0)
+    a.tokens, b.tokens = prefix + [1], prefix + [2]
+    sched.add(a)
+    _run(sched, sched.schedule().plan)
+    sched.add(b)
+    s = sched.schedule()
+    assert s.admitted == [b] and b.num_computed == 0 and not any(isinstance(op, CopyKV) for op in s.kv_ops)
 
 
 def test_prefix_cache_always_recomputes_the_last_prompt_token():

@@ -7,7 +7,7 @@ import pytest
 from quantserve.backends.llamacpp.model import LlamaCppRunner
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.core.detokenizer import IncrementalDetokenizer
-from quantserve.core.runner import DropKV
+from quantserve.core.runner import CopyKV, DropKV
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
@@ -52,6 +52,31 @@ def test_batch_is_written_in_seq_id_order_and_results_come_back_in_plan_order(ru
     alone = [_greedy(runner, [(i, 3)], 12)[0] for i in range(len(PROMPTS))]
     assert len({tuple(t) for t in alone}) == len(PROMPTS)  # distinct answers: a mix-up would show
     assert _greedy(runner, [(0, 2), (1, 0), (2, 3), (3, 1)], 12) == alone
+    assert runner.num_kv_used() == 0
+
+
+def _continue(runner, tokens: list[int], slot: int, computed: int, steps: int) -> list[int]:
+    """Greedy tokens of a sequence in `slot` whose first `computed` tokens are taken as already in its KV."""
+    seq = Sequence("c", list(tokens), SamplingParams(temperature=0.0, max_tokens=steps), IncrementalDetokenizer(),
+                   max_total_tokens=256)  # fmt: skip
+    seq.block_table, seq.num_computed = [slot], computed
+    for _ in range(steps):
+        (r,) = runner.execute([(seq, seq.num_uncomputed)])
+        seq.tokens.append(r.token)
+    runner.release(seq)
+    return seq.output_tokens
+
+
+def test_a_prefix_copied_into_another_slot_serves_as_if_computed_there(runner):
+    """CopyKV, as the ledger sends it: slot 0's KV is copied into slot 2 and cut to the prompt less its last
+    token, then slot 0 is emptied before the next decode (llama.cpp copies the stream's buffer at that decode).
+    Slot 2 then gives the tokens a fresh run gives; an empty slot told the same would not."""
+    tokens = runner.tokenize(PROMPTS[0] + " a city that", add_special=True, parse_special=False)
+    fresh = _continue(runner, tokens, 0, 0, 10)
+    runner.drop_kv([CopyKV(0, 2, len(tokens) - 1), DropKV(0)])
+    assert _continue(runner, tokens, 2, len(tokens) - 1, 10) == fresh
+    assert _continue(runner, tokens, 3, len(tokens) - 1, 10) != fresh  # the test can fail: no copy, no prefix
+    runner.drop_kv([DropKV(2), DropKV(3)])
     assert runner.num_kv_used() == 0
 
 

@@ -54,6 +54,16 @@ class DropKV:
 
 
 @dataclass(frozen=True)
+class CopyKV:
+    """Slot `dst` takes the KV of slot `src`'s first `n` positions, and nothing else (llama_memory_seq_cp, then
+    llama_memory_seq_rm from `n`): a prefix computed once serves sequences in other slots."""
+
+    src: int
+    dst: int
+    n: int
+
+
+@dataclass(frozen=True)
 class VisionSpec:
     """A runner that takes images: the chat template marks each image with `image_token` (a special token of the
     model's own vocabulary), and the runner needs that token repeated `tokens_per_image` times in the prompt, one
@@ -93,8 +103,9 @@ class ModelRunner(Tokenizer, Protocol):
         """The vocabulary as the grammar engine reads it (quantserve.structured)."""
         ...
 
-    def drop_kv(self, ops: list[DropKV]) -> None:
-        """Invalidate cached KV as the engine's ledger says (a runner with a paged cache has nothing to do)."""
+    def drop_kv(self, ops: list[DropKV | CopyKV]) -> None:
+        """Invalidate cached KV, and copy prefixes between slots, as the engine's ledger says (a runner with a
+        paged cache has nothing to do; only the slot ledger copies)."""
         ...
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:

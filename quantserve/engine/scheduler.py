@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from quantserve.core.runner import DropKV
+from quantserve.core.runner import CopyKV, DropKV
 from quantserve.core.sequence import Sequence, SequenceStatus
 from quantserve.engine.kv import KVManager
 
@@ -28,7 +28,9 @@ class Schedule:
     plan: list[tuple[Sequence, int]]
     preempted: list[Sequence] = field(default_factory=list)  # lost their KV; will recompute
     admitted: list[Sequence] = field(default_factory=list)
-    kv_ops: list[DropKV] = field(default_factory=list)  # cached KV the runner drops before this step
+    kv_ops: list[DropKV | CopyKV] = field(
+        default_factory=list
+    )  # cache changes the runner makes before this step
 
 
 class Scheduler:

@@ -18,7 +18,7 @@ from quantserve.backends.llamacpp.library import init_backend
 from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
-from quantserve.core.runner import DropKV, KVCacheFull, KVSpec, VisionSpec
+from quantserve.core.runner import CopyKV, DropKV, KVCacheFull, KVSpec, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.core.settings import EngineSettings
@@ -346,9 +346,15 @@ class LlamaCppRunner:
             if chain is not None:
                 chain.close()
 
-    def drop_kv(self, ops: list[DropKV]) -> None:
+    def drop_kv(self, ops: list[DropKV | CopyKV]) -> None:
+        """Make the cache agree with the ledger: drop KV, and copy a prefix between slots (per-sequence streams:
+        llama.cpp copies the whole stream at the next decode, so the tail past the prefix is dropped after)."""
         for op in ops:
-            lc.llama_memory_seq_rm(self.memory, op.slot, op.start, -1)
+            if isinstance(op, CopyKV):
+                lc.llama_memory_seq_cp(self.memory, op.src, op.dst, -1, -1)
+                lc.llama_memory_seq_rm(self.memory, op.dst, op.n, -1)
+            else:
+                lc.llama_memory_seq_rm(self.memory, op.slot, op.start, -1)
 
     def num_kv_used(self) -> int:
         """Cells in use according to llama.cpp itself (for leak tests)."""

@@ -1,6 +1,6 @@
 """The engine's KV ledger: which cache blocks each sequence holds, what stays cached for a later prompt with the same
 prefix, and whether there is room. One ledger per model, owned by the scheduler; a runner only reads the block
-tables it hands out (`seq.block_table`) and drops the cached KV it says to drop (`take_ops`).
+tables it hands out (`seq.block_table`) and drops or copies the cached KV as it says (`take_ops`).
 
 Two layouts (quantserve.core.runner.KVSpec): `PagedKV` (paged.py) for the torch backend's block pool, with
 automatic prefix caching by hashed blocks; `SlotKV` (slots.py) for llama.cpp's sequence slots, with its prefix cache
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from quantserve.core.runner import DropKV, KVSpec
+from quantserve.core.runner import CopyKV, DropKV, KVSpec
 from quantserve.core.sequence import Sequence
 from quantserve.engine.kv.paged import PagedKV
-from quantserve.engine.kv.slots import PACK_MIN_PREFIX_GAIN, SlotKV
+from quantserve.engine.kv.slots import MIN_COPY_GAIN, PACK_MIN_PREFIX_GAIN, SlotKV
 
 
 class KVManager(Protocol):
@@ -45,8 +45,8 @@ class KVManager(Protocol):
         """Take its blocks back; with prefix caching, its computed KV stays cached until the room is needed."""
         ...
 
-    def take_ops(self) -> list[DropKV]:
-        """Cached KV the runner must drop before the next step, in order (and forget)."""
+    def take_ops(self) -> list[DropKV | CopyKV]:
+        """Cached KV the runner must drop, or copy between slots, before the next step, in order (and forget)."""
         ...
 
 
@@ -60,4 +60,4 @@ def make_kv(spec: KVSpec, *, prefix_caching: bool) -> KVManager:
     )
 
 
-__all__ = ["PACK_MIN_PREFIX_GAIN", "KVManager", "PagedKV", "SlotKV", "make_kv"]
+__all__ = ["MIN_COPY_GAIN", "PACK_MIN_PREFIX_GAIN", "KVManager", "PagedKV", "SlotKV", "make_kv"]

@@ -8,6 +8,12 @@ A finished sequence leaves its KV in its slot, and the next sequence admitted th
 (llama-server's prompt cache); in the unified pool, slots that only cache are emptied, oldest first, when running
 sequences need their cells. The runner is told which cached KV to drop (DropKV).
 
+With per-sequence KV, a prefix is also copied between slots (CopyKV): a sequence whose slot holds less of its
+prefix than another slot does, free or running, gets that slot's cells when that saves MIN_COPY_GAIN tokens or
+more. So documents of one rerank request, or clients with one long system prompt, compute their shared prefix
+once however many slots they run in. llama.cpp copies a whole per-sequence stream (n_ctx cells of every layer:
+47 MB for SmolLM2 at 2048 cells, a few ms), which the gain must outweigh.
+
 With `pack`, a new sequence takes the lowest free slot: llama.cpp computes each run of consecutive seq ids as its
 own pass over the weights, so a gap among the running slots costs a pass on every step it lasts (about 5 ms with
 SmolLM2 on 2 cores, a whole step for a larger model); recomputing 256 prompt tokens costs ~0.5 s here once. So a
@@ -17,10 +23,11 @@ their template's head and pack; a long conversation still gets its own slot back
 
 from __future__ import annotations
 
-from quantserve.core.runner import DropKV
+from quantserve.core.runner import CopyKV, DropKV
 from quantserve.core.sequence import Sequence
 
 PACK_MIN_PREFIX_GAIN = 256
+MIN_COPY_GAIN = 32
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -41,7 +48,10 @@ class SlotKV:
         self._free_slots = list(range(num_slots))
         self.slot_tokens: dict[int, list[int]] = {}  # free slot -> tokens its KV still holds (oldest first)
         self._reserved: dict[int, int] = {}  # seq_id -> cells counted for it
-        self._ops: list[DropKV] = []
+        self._running: dict[
+            int, Sequence
+        ] = {}  # slot -> its sequence: cells below its num_computed are valid
+        self._ops: list[DropKV | CopyKV] = []
 
     # ---- counts ------------------------------------------------------------------------------------
 
@@ -57,7 +67,7 @@ class SlotKV:
         """Unified pool: cells neither counted for a running sequence nor caching."""
         return self.cells - self.num_used - self.num_cached
 
-    def take_ops(self) -> list[DropKV]:
+    def take_ops(self) -> list[DropKV | CopyKV]:
         ops, self._ops = self._ops, []
         return ops
 
@@ -76,11 +86,16 @@ class SlotKV:
         slot, n_cached = self._pick(seq)
         self._free_slots.remove(slot)
         held = self.slot_tokens.pop(slot, None)
-        if held is not None and len(held) > n_cached:
+        donor, n_donor = self._donor(seq, slot)
+        if n_donor >= n_cached + MIN_COPY_GAIN:
+            self._ops.append(CopyKV(donor, slot, n_donor))  # replaces all the slot held
+            n_cached = n_donor
+        elif held is not None and len(held) > n_cached:
             self._ops.append(DropKV(slot, n_cached))
         seq.block_table = [slot]
         seq.num_computed = n_cached
         self._reserved[seq.seq_id] = len(seq.tokens)
+        self._running[slot] = seq
         self._evict()
 
     def can_append(self, seq: Sequence) -> bool:
@@ -94,6 +109,7 @@ class SlotKV:
 
     def deallocate(self, seq: Sequence) -> None:
         slot = seq.block_table[0]
+        self._running.pop(slot, None)
         self._free_slots.append(slot)
         self._reserved.pop(seq.seq_id, None)
         if self.prefix_caching and seq.num_computed:
@@ -119,12 +135,8 @@ class SlotKV:
         if not self.prefix_caching:
             return lowest, 0
 
-        keys = seq.cache_tokens
-
         def reusable(slot: int) -> int:
-            n = min(common_prefix_len(self.slot_tokens.get(slot, []), keys), len(keys) - 1)
-            # libmtmd evaluates an image whole: a prefix that ends inside one stops before it
-            return next((s.offset for s in seq.images if s.offset < n < s.end), n)
+            return _reusable(seq, self.slot_tokens.get(slot, []))
 
         # Ties: an empty slot before a cached one, then the oldest cache (kept newest-last), then the lowest slot.
         age = {slot: i for i, slot in enumerate(self.slot_tokens)}
@@ -132,3 +144,22 @@ class SlotKV:
         if self.pack and reusable(best) - reusable(lowest) < PACK_MIN_PREFIX_GAIN:
             best = lowest
         return best, reusable(best)
+
+    def _donor(self, seq: Sequence, slot: int) -> tuple[int, int]:
+        """The other slot holding the longest prefix of `seq` (free and caching, or running) and its length; the
+        length is 0 where prefixes are not copied (no prefix caching, or the unified pool, where llama.cpp shares
+        cells between sequences instead and this ledger counts each sequence's own)."""
+        if not self.prefix_caching or self.shared:
+            return slot, 0
+        held = {s: t for s, t in self.slot_tokens.items() if s != slot}
+        held.update({s: r.cache_tokens[: r.num_computed] for s, r in self._running.items() if s != slot})
+        best = max(held, key=lambda s: (_reusable(seq, held[s]), -s), default=slot)
+        return best, _reusable(seq, held[best]) if best != slot else 0
+
+
+def _reusable(seq: Sequence, held: list[int]) -> int:
+    """How many of `held`'s tokens `seq` can reuse: their common prefix, never seq's last token (its logits are
+    needed), and never ending inside an image (libmtmd evaluates an image whole)."""
+    keys = seq.cache_tokens
+    n = min(common_prefix_len(held, keys), len(keys) - 1)
+    return next((s.offset for s in seq.images if s.offset < n < s.end), n)
