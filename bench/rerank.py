@@ -2,8 +2,13 @@
 single-document requests one after another, on the same server, in one run, for both backends (SmolLM2 as a
 yes/no judge: the Q4_1 GGUF on llama.cpp, the fp32 HF checkpoint on torch).
 
-Usage: .venv/bin/python bench/rerank.py [--rounds 3] [--threads 2] [--documents 32]
+Usage: .venv/bin/python bench/rerank.py [--rounds 3] [--threads 2] [--documents 32] [--cross-encoder GGUF]
 Writes bench/results/rerank-<date>.md and .json.
+
+--cross-encoder adds a reranker GGUF (a classification head, llama.cpp's rank pooling) as a third server.
+`--cross-encoder tiny` builds a random RoBERTa cross-encoder of SmolLM2's width (576, 6 layers) with
+tests/test_rerank_gguf.py's recipe and converts it with llama.cpp's convert_hf_to_gguf.py (from the sdist that
+`make test` extracts), to time the batching where no real reranker is at hand.
 
 Each round has its own query, and the two ways get it tagged differently, so neither starts with anything of its
 prompts cached (not the other's prompts either); within a round both get the same prefix-cache help (the first
@@ -78,16 +83,22 @@ def main() -> None:
     ap.add_argument("--documents", type=int, default=32)
     ap.add_argument("--seqs", type=int, default=8, help="--max-num-seqs of the servers")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
+    ap.add_argument("--cross-encoder", help="a reranker GGUF, or `tiny` (see above)")
     args = ap.parse_args()
     gguf = resolve("smollm2", load_registry(find_models_toml(None))).path
     sources = {"llamacpp": gguf, "torch": hf_checkpoint(gguf)}
+    if args.cross_encoder == "tiny":
+        sources["cross-encoder"] = tiny_cross_encoder(gguf)
+    elif args.cross_encoder:
+        sources["cross-encoder"] = Path(args.cross_encoder)
     docs = SENTENCES[: args.documents]
     assert len(docs) == args.documents, f"only {len(docs)} sentences in eval.txt"
     rows: dict[str, list[tuple[float, float, int]]] = {}
     logs = Path(tempfile.mkdtemp(prefix="qs-rerank-"))
     for backend, src in sources.items():
         port = free_port()
-        cmd = (sys.executable, "-m", "quantserve.cli", "run", str(src), "--backend", backend, "--threads",
+        engine = "llamacpp" if backend == "cross-encoder" else backend
+        cmd = (sys.executable, "-m", "quantserve.cli", "run", str(src), "--backend", engine, "--threads",
                str(args.threads), "--max-num-seqs", str(args.seqs), "--ctx-size", "2048", "--port", str(port),
                "--log-level", "warning")  # fmt: skip
         sd = ServerDef(backend, cmd, port, ignore_eos=True)
@@ -110,6 +121,31 @@ def main() -> None:
     write(args, rows)
 
 
+def tiny_cross_encoder(smollm2_gguf: Path) -> Path:
+    """--cross-encoder tiny: the random RoBERTa cross-encoder as an F32 GGUF written by llama.cpp's converter."""
+    import os
+    import subprocess
+
+    from quantserve.converters import gguf_to_hf
+    from tests.test_rerank_gguf import build_cross_encoder
+
+    converter = ROOT / "bench/.build/src/vendor/llama.cpp/convert_hf_to_gguf.py"
+    if not converter.is_file():
+        sys.exit(
+            f"{converter} is missing: run tests/test_rerank_gguf.py once, which extracts it from the sdist"
+        )
+    tmp = Path(tempfile.mkdtemp(prefix="qs-xenc-"))
+    hf = gguf_to_hf(smollm2_gguf, tmp / "smollm2-hf", dtype="fp32", progress=False)
+    src = build_cross_encoder(tmp / "cross-encoder", hf, hidden=576, layers=6, positions=512)
+    (tmp / "shim").mkdir()  # the converter imports sentencepiece before finding no SentencePiece model
+    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
+    out = tmp / "cross-encoder-f32.gguf"
+    env = {**os.environ, "PYTHONPATH": str(tmp / "shim"), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, str(converter), str(src), "--outfile", str(out), "--outtype", "f32"]
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    return out
+
+
 def write(args, rows: dict[str, list[tuple[float, float, int]]]) -> None:
     stamp = dt.datetime.now(dt.UTC)
     name = f"rerank-{stamp:%Y-%m-%d}"
@@ -118,13 +154,22 @@ def write(args, rows: dict[str, list[tuple[float, float, int]]]) -> None:
         f"# /v1/rerank: {args.documents} documents in one request against {args.documents} single requests",
         "",
         f"Measured {stamp:%Y-%m-%d %H:%M} UTC. Command: `.venv/bin/python bench/rerank.py --rounds {args.rounds} "
-        f"--threads {args.threads} --documents {args.documents} --seqs {args.seqs}`.",
+        f"--threads {args.threads} --documents {args.documents} --seqs {args.seqs}"
+        + (f" --cross-encoder {args.cross_encoder}" if args.cross_encoder else "")
+        + "`.",
         "",
         f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB; versions: "
         + ", ".join(f"{k} {v}" for k, v in versions(None).items()),
         "",
         "SmolLM2-135M-Instruct as a yes/no judge (quantserve.rerank): the Q4_1 GGUF on llama.cpp, the fp32 HF "
-        f"checkpoint on torch (CPU); `--max-num-seqs {args.seqs} --ctx-size 2048`. Documents: the first "
+        f"checkpoint on torch (CPU); `--max-num-seqs {args.seqs} --ctx-size 2048`. "
+        + (f"cross-encoder: {args.cross_encoder} on llama.cpp's rank pooling. " if args.cross_encoder else "")
+        + (
+            "(tiny: a random RoBERTa of SmolLM2's vocabulary and width, 576 x 6 layers, 512 positions, F32.) "
+            if args.cross_encoder == "tiny"
+            else ""
+        )  # fmt: skip
+        + "Documents: the first "
         f"{args.documents} sentences over 60 characters of quantserve/data/eval.txt. Each round has a query of its "
         "own, tagged apart for the two ways so neither reads the other's prompts from the prefix cache; the batched "
         "request and the singles alternate which goes first. Wall time at the client, median of "

@@ -45,8 +45,11 @@ DOCUMENTS = [
 BOS, EOS = "<|im_start|>", "<|im_end|>"
 
 
-def build_cross_encoder(dst: Path, tokenizer_from: Path) -> Path:
-    """The tiny RobertaForSequenceClassification described above, saved as transformers saves it."""
+def build_cross_encoder(
+    dst: Path, tokenizer_from: Path, hidden: int = 64, layers: int = 2, positions: int = 128
+) -> Path:
+    """The tiny RobertaForSequenceClassification described above, saved as transformers saves it (bench/rerank.py
+    builds a wider one)."""
     dst.mkdir(parents=True)
     tok = json.loads((tokenizer_from / "tokenizer.json").read_text())
 
@@ -66,11 +69,12 @@ def build_cross_encoder(dst: Path, tokenizer_from: Path) -> Path:
     (dst / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "cls_token": BOS, "eos_token": EOS,
         "sep_token": EOS, "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "add_bos_token": True,
-        "add_eos_token": True, "add_sep_token": True, "model_max_length": 128,
+        "add_eos_token": True, "add_sep_token": True, "model_max_length": positions,
     }))  # fmt: skip
     config = transformers.RobertaConfig(
-        vocab_size=49152, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=130, type_vocab_size=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=positions + 2, type_vocab_size=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         num_labels=1, layer_norm_eps=1e-5, hidden_act="gelu_pytorch_tanh",  # llama.cpp's BERT uses tanh GELU
         architectures=["RobertaForSequenceClassification"],
     )  # fmt: skip
