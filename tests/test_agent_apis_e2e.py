@@ -134,6 +134,49 @@ def test_streamed_tool_call_deltas_build_valid_calls(api):
         assert_valid_call(c["name"], c["arguments"])
 
 
+def test_a_reply_cut_inside_its_calls_keeps_the_complete_ones(api):
+    """max_tokens ends the reply inside its second call (measured from the uncut reply): every API, streamed and
+    not, returns the calls written in full, parsed and valid, and drops the unfinished one."""
+    kw = dict(model=api.model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=True,
+              temperature=0)  # fmt: skip
+    full = api.oai.chat.completions.create(**kw, max_tokens=200)
+    assert len(full.choices[0].message.tool_calls or []) >= 2, full  # SmolLM2 writes two calls here
+    cut = full.usage.completion_tokens - 4  # inside the last call: its closing takes more than 4 tokens
+
+    def valid(calls: list[tuple[str, str]]) -> None:
+        assert calls, "no complete call came back"
+        for name, arguments in calls:
+            assert_valid_call(name, arguments)
+
+    r = api.oai.chat.completions.create(**kw, max_tokens=cut)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    valid([(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []])
+    streamed: dict[int, list[str]] = {}
+    for chunk in api.oai.chat.completions.create(**kw, max_tokens=cut, stream=True):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name_args = streamed.setdefault(tc.index, [tc.function.name or "", ""])
+            name_args[1] += tc.function.arguments or ""
+    valid([(n, a) for n, a in streamed.values()])
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    akw = dict(model=api.model, max_tokens=cut, messages=ASK, tools=tools, tool_choice={"type": "any"},
+               extra_body=GREEDY)  # fmt: skip
+    m = api.claude.messages.create(**akw)
+    assert m.stop_reason == "max_tokens"
+    valid([(b.name, json.dumps(b.input)) for b in m.content if b.type == "tool_use"])
+    with api.claude.messages.stream(**akw) as stream:
+        final = stream.get_final_message()
+    valid([(b.name, json.dumps(b.input)) for b in final.content if b.type == "tool_use"])
+    rkw = dict(model=api.model, input=ASK, tools=[{"type": "function", **t["function"]} for t in TOOLS],
+               tool_choice="required", temperature=0, max_output_tokens=cut)  # fmt: skip
+    resp = api.oai.responses.create(**rkw)
+    valid([(o.name, o.arguments) for o in resp.output if o.type == "function_call"])
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    with api.oai.responses.stream(**rkw) as stream:  # it ends with response.incomplete, as OpenAI's does
+        (final,) = [e.response for e in stream if e.type == "response.incomplete"]
+    valid([(o.name, o.arguments) for o in final.output if o.type == "function_call"])
+
+
 def test_named_function_and_none(api):
     r = api.oai.chat.completions.create(
         model=api.model,

@@ -20,7 +20,7 @@ import pytest
 
 from quantserve.chat import ChatRequest, ChatTemplate, Tool, ToolChoice, build_prompt, tool_format
 from quantserve.chat.formats import GrammarSpec, ToolFormat
-from quantserve.chat.reply import CallDelta, ReplyAssembler
+from quantserve.chat.reply import CallDelta, ReplyAssembler, TextDelta
 from quantserve.chat.template import _turn_start
 from quantserve.chat.tools import CallChecker
 from quantserve.structured import GuideCompiler, Vocabulary
@@ -157,12 +157,38 @@ def test_malformed_calls_come_back_as_text(name):
     cut = turn[: turn.index('"Paris"') + 4]
     unknown = turn.replace("get_weather", "get_wether")
     against_schema = turn.replace('"Paris"', "42")
-    for text, finish in [(cut, "length"), (unknown, "stop"), (against_schema, "stop")]:
+    for text, finish in [(cut, "stop"), (unknown, "stop"), (against_schema, "stop")]:
         _, reply = assemble(fmt, [text], finish)
         assert reply.tool_calls == () and reply.content == text and reply.finish_reason == finish
     # streamed, a call to a tool that does not exist is never announced
     events, _ = assemble(fmt, list(unknown))
     assert not any(isinstance(e, CallDelta) for e in events)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_reply_cut_by_max_tokens_keeps_the_complete_calls(name):
+    """Cut inside the second of two calls (max_tokens): the first comes back parsed and the unfinished one is
+    dropped, streamed and not; the stream sends no delta of the unfinished call. Cut inside the only call: no call
+    and no markup."""
+    tmpl = template(name)
+    fmt = tool_format(tmpl)
+    calls = CALLS[:1] if fmt.name == "llama3" else CALLS  # Llama 3's templates take one call per turn
+    turn = rendered_turn(tmpl, fmt, calls)
+    _, whole = assemble(fmt, [turn])
+    cuts = [(turn[: turn.index('"Paris"') + 4], [])]
+    if len(calls) > 1:
+        cuts.append((turn[: turn.index('"CET"') + 2], CALLS[:1]))
+    for cut, want in cuts:
+        for pieces in ([cut], list(cut)):
+            events, reply = assemble(fmt, pieces, "length")
+            assert calls_of(reply) == want and reply.finish_reason == "length"
+            # what the template writes before the calls (Qwen3: an empty think block) stays the content
+            assert reply.content == whole.content
+            assert "".join(e.text for e in events if isinstance(e, TextDelta)) == (whole.content or "")
+            sent = {e.index for e in events if isinstance(e, CallDelta)}
+            assert sent == set(range(len(want)))
+            args = "".join(e.arguments for e in events if isinstance(e, CallDelta))
+            assert args == "".join(c.arguments for c in reply.tool_calls)
 
 
 def test_generic_format_prompt_describes_the_tools_and_rewrites_the_history():

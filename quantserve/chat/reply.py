@@ -4,7 +4,9 @@ A ReplyParser (one subclass per tool-call format, in quantserve.chat.formats) re
 TextDelta and CallDelta events: a call's id and name once the name is complete, then its arguments in fragments
 that concatenate to the JSON the model wrote. ReplyAssembler keeps what was said and, at the end, checks every call
 against the tools: a reply whose calls do not hold up (unknown tool, arguments that are not JSON or fail the tool's
-schema, a call cut off by max_tokens) is returned as plain text content, never as a broken call.
+schema, a call left unfinished when the model stopped) is returned as plain text content, never as a broken call.
+A reply cut off by max_tokens inside its calls keeps the calls written in full and drops the unfinished one, and so
+does the stream: a call's deltas are held until the call is complete, then sent in order.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class CallStream:
 
 class ReplyParser(ABC):
     """Base of the per-format parsers: text in (feed, then finish), events out. After finish, `malformed` says
-    the text did not follow the format (it is then returned as plain text) and `calls` holds every call begun."""
+    the text did not follow the format (it is then returned as plain text), `cut` that it ended inside the format
+    (a call or its markup unfinished), and `calls` holds every call begun."""
 
     def __init__(self, new_id: Callable[[], str], tools: frozenset[str]):
         self.new_id = new_id
@@ -151,6 +154,7 @@ class ReplyParser(ABC):
         self.cur = 0  # the text before this index is read
         self.calls: list[CallStream] = []
         self.malformed = False
+        self.cut = False
         self.content = Content()
 
     def feed(self, text: str) -> list[Event]:
@@ -222,18 +226,28 @@ class ReplyAssembler:
         self.checker = checker
         self.parallel = parallel
         self._content: list[str] = []
+        self._held: list[Event] = []  # from the first delta of a call not yet complete on
 
     def feed(self, text: str) -> list[Event]:
         return self._keep(self.parser.feed(text)) if text else []
 
     def finish(self, finish_reason: str) -> tuple[list[Event], Reply]:
-        events = self._keep(self.parser.finish())
+        events = self._keep(self.parser.finish())  # what is still held belongs to an unfinished call: dropped
         p = self.parser
-        calls = tuple(ToolCall(c.id, c.name or "", c.arguments) for c in p.calls if c.started)
+        unfinished = p.cut or any(not c.complete for c in p.calls)
+        # Cut off by max_tokens in the middle of the calls: the calls written in full stand, the unfinished one is
+        # dropped (as the stream, which sent each call once it was complete). Otherwise an unfinished call means
+        # the model broke off the format, and the reply is its text.
+        dropping = finish_reason == "length" and unfinished and not p.malformed
+        calls = tuple(
+            ToolCall(c.id, c.name or "", c.arguments)
+            for c in p.calls
+            if c.started and (c.complete or not dropping)
+        )
         problem = None
         if p.malformed:
             problem = "the text does not follow the tool-call format"
-        elif any(not c.complete for c in p.calls):
+        elif unfinished and not dropping:
             problem = "a tool call is incomplete"
         elif len(calls) > 1 and not self.parallel:
             problem = "several tool calls, but parallel_tool_calls is false"
@@ -248,5 +262,12 @@ class ReplyAssembler:
         return events, Reply(content, (), finish_reason)
 
     def _keep(self, events: list[Event]) -> list[Event]:
+        """The events that can go out now, in order: none from a call that is not complete yet."""
         self._content.extend(e.text for e in events if isinstance(e, TextDelta))
-        return events
+        pending, self._held, out = self._held + events, [], []
+        for e in pending:
+            if self._held or (isinstance(e, CallDelta) and not self.parser.calls[e.index].complete):
+                self._held.append(e)
+            else:
+                out.append(e)
+        return out

@@ -88,6 +88,7 @@ class ToolFormat(ABC):
         calls = [c for c in parser.calls if c.complete]
         ok = (
             not parser.malformed
+            and not parser.cut
             and len(calls) == 1
             and calls[0].name == PROBE_CALL["name"]
             and _loads(calls[0].arguments) == PROBE_CALL["arguments"]

@@ -167,8 +167,12 @@ class GenericParser(JsonCallParser):
             or (sc.done and response is None and not self.calls)
         ):
             self.malformed = True
-        elif final and not sc.done and (self.calls or response is None):
-            self.malformed = True  # cut off (max_tokens); a cut-off response is still the words said so far
+        elif final and not sc.done and self.calls:
+            self.cut = True  # cut off inside the calls (max_tokens)
+        elif final and not sc.done and response is None:
+            self.malformed = (
+                True  # cut off before anything usable; a cut-off response is still the words said
+            )
         if sc.done or sc.error:
             self.state = "done"
         return out

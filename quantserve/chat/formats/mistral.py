@@ -106,7 +106,7 @@ class MistralParser(JsonCallParser):
             if self.state == "open":
                 rest = self.text[self.cur :].lstrip()
                 if not rest:
-                    self.malformed = final
+                    self.cut = final
                     return out
                 self.cur = len(self.text) - len(rest)
                 if rest[0] == "[":  # Nemo: a JSON array of calls
@@ -132,7 +132,7 @@ class MistralParser(JsonCallParser):
                 stops = (ARGS, CALL_ID) if self.state == "name" else (ARGS,)
                 found = [(k, m) for m in stops if (k := self.text.find(m, self.cur)) != -1]
                 if not found:
-                    self.malformed = final
+                    self.cut = final
                     return out
                 k, marker = min(found)
                 value = self.text[self.cur : k].strip()
