@@ -58,6 +58,9 @@ class LLM:
         self.vision: VisionSpec | None = getattr(runner, "vision", None)  # None: text only
         # > 0: a reranker's classification head (llama.cpp's rank pooling), which scores and never generates
         self.rank_outputs: int = getattr(runner, "rank_outputs", 0)
+        self.rank_labels: tuple[str, ...] = getattr(
+            runner, "rank_labels", ()
+        )  # the head's, where it names them
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
@@ -309,12 +312,12 @@ class LLM:
         """
         if not self.rank_outputs:
             raise InvalidRequestError(f"model {self.name!r} has no classification head", param="model")
-        inputs = [self._runner.pair_input(query, d) for d in documents]
+        inputs = await asyncio.to_thread(self._runner.pair_inputs, query, documents)
         for i, tokens in enumerate(inputs):
             if len(tokens) > self.n_ctx:
                 raise ContextLengthExceededError(
-                    f"documents[{i}] with the query makes {len(tokens)} tokens, over the context of {self.n_ctx}; "
-                    "shorten it or serve the model with a larger --ctx-size",
+                    f"documents[{i}] with the query makes {len(tokens)} tokens, over the {self.n_ctx} this model "
+                    "reads; shorten it (a reranker's limit is its trained positions, or a smaller --ctx-size)",
                     param=f"documents[{i}]",
                 )
         async with self._embed_lock:  # the engine never runs on a reranker: its context is this call's alone

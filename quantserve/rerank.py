@@ -3,15 +3,17 @@
 - a cross-encoder (bge-reranker, jina-reranker, … as llama.cpp's converter writes them): a classification head
   on the pooled query–document pair, run by llama.cpp's rank pooling (LLM.rank). One output is a logit, and the
   relevance is its sigmoid (as sentence-transformers' CrossEncoder and vLLM give it; llama-server returns the
-  raw logit); two outputs are the not-relevant and relevant classes, and the relevance is the softmax's second.
+  raw logit); two outputs labelled yes and no (Qwen3-Reranker converted by llama.cpp) are already llama.cpp's
+  softmax, and the relevance is P(yes); two others are the not-relevant and relevant classes, and the relevance
+  is the softmax's second.
 - a causal LM as a yes/no judge (the Qwen3-Reranker recipe): each document goes after the query in the model's
   own chat template, and its relevance is the probability of "yes" over "yes" + "no" as the first token of the
   reply, i.e. the softmax over those two logits. Any chat model can judge this way, on either backend;
   Qwen3-Reranker is trained for exactly this prompt.
 
-Either way all documents of a request run batched: the cross-encoder's several pairs per decode, the judge's as
-one prompt each given to the engine at once, where the shared prefix (the instruction and the query) is computed
-once, by the prefix cache.
+Either way the documents of a request run batched: the cross-encoder's several pairs per decode; the judge's as
+one prompt each, given to the engine together once the first has computed the shared prefix (the instruction and
+the query), which the others then reuse from the prefix cache.
 """
 
 from __future__ import annotations
@@ -87,10 +89,12 @@ async def judge(
         1, llm.settings.max_queue_len // 2
     )  # in flight at once: batched, and leaving room in the queue
     outs = []
-    for lo in range(0, len(prompts), wave):
+    # The first document goes alone: it computes the shared prefix (system, instruction, query), which the rest
+    # then find cached (on llama.cpp, copied into their slots) instead of each computing it in the same step.
+    for lo, hi in [(0, 1), *((k, k + wave) for k in range(1, len(prompts), wave))]:
         gens = []
         try:
-            for i, p in enumerate(prompts[lo : lo + wave], lo):
+            for i, p in enumerate(prompts[lo:hi], lo):
                 gens.append(llm.generate(p, params, f"{rid}-{i}"))
             outs += await asyncio.gather(*(_last(g) for g in gens))
         finally:
@@ -125,7 +129,11 @@ async def classify(llm: LLM, query: str, documents: list[str]) -> tuple[list[flo
     outputs, n_tokens = await llm.rank(query, documents)
     if llm.rank_outputs == 1:
         return [_sigmoid(o[0]) for o in outputs], n_tokens
-    return [_sigmoid(o[1] - o[0]) for o in outputs], n_tokens  # the softmax's second class
+    if llm.rank_labels and llm.rank_labels[0].lower() == "yes":
+        # Qwen3-Reranker as llama.cpp's converter writes it (the lm_head's yes and no rows): llama.cpp already
+        # gives the softmax over the two, so P(yes) is the first
+        return [o[0] for o in outputs], n_tokens
+    return [_sigmoid(o[1] - o[0]) for o in outputs], n_tokens  # not relevant, relevant: the softmax's second
 
 
 def _sigmoid(x: float) -> float:
@@ -136,7 +144,7 @@ def rerank_kind(llm: LLM) -> str | None:
     """How `llm` reranks: "classifier" (a cross-encoder's head), "judge" (a chat model answering yes or no), or
     None."""
     if llm.rank_outputs:
-        return "classifier"
+        return "classifier" if llm.rank_outputs <= 2 else None  # more classes are no relevance score
     return "judge" if llm.chat_template is not None else None
 
 

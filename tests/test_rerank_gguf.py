@@ -137,7 +137,7 @@ def test_the_converter_wrote_a_rank_head(reranker_gguf):
     info = read_gguf_info(reranker_gguf)
     assert info.architecture == "bert" and info.get("tokenizer.ggml.pre") == "smollm"
     assert {"cls.weight", "cls.output.weight"} <= {t.name for t in info.tensors}
-    assert info.rank_outputs == 1 and info.rerank_template is None
+    assert info.rank_outputs == 1
     flags = [info.get(f"tokenizer.ggml.add_{k}_token") for k in ("bos", "eos", "sep")]
     assert flags == [True, True, True]
 
@@ -149,10 +149,10 @@ def test_pairs_are_joined_as_the_tokenizer_joins_them_and_batched(reranker_gguf,
     from quantserve.llm import load
 
     tok = transformers.AutoTokenizer.from_pretrained(cross_encoder)
-    llm = load(str(reranker_gguf), max_num_seqs=4)
+    llm = load(str(reranker_gguf), max_num_seqs=4, ctx_size=4096)
     try:
-        for doc in DOCUMENTS:
-            assert llm._runner.pair_input(QUERY, doc) == tok(QUERY, doc).input_ids
+        assert llm.n_ctx == 129  # cut to its trained positions: past them llama.cpp would abort
+        assert llm._runner.pair_inputs(QUERY, DOCUMENTS) == [tok(QUERY, d).input_ids for d in DOCUMENTS]
         decodes = []
         real = llama_cpp.llama_decode
         monkeypatch.setattr(
@@ -216,3 +216,43 @@ def test_inspect_and_the_probe_know_it(reranker_gguf):
     assert out.exit_code == 0, out.output
     assert "cross-encoder: a classification head of 1 output(s)" in out.output
     assert probe_gguf(reranker_gguf) > 0  # the child ranks one pair and exits cleanly
+
+
+def _info(tensors: dict[str, tuple[int, ...]], **metadata):
+    from quantserve.formats.spec import GGUFInfo, GGUFTensorInfo
+
+    table = tuple(GGUFTensorInfo(n, shape, 0, "F32", 0, 0) for n, shape in tensors.items())
+    return GGUFInfo(Path("x.gguf"), 3, 0, 32, 0, {"general.architecture": "bert", **metadata}, table, "F32")
+
+
+def test_which_heads_make_a_reranker():
+    """Heads as llama.cpp's converter writes them (ne order: n_embd first)."""
+    assert _info({"cls.weight": (64, 64), "cls.bias": (64,), "cls.output.weight": (64, 1)}).rank_outputs == 1
+    assert _info({"cls.weight": (64, 1)}).rank_outputs == 1  # jina-reranker-v1-tiny: the projection alone
+    assert _info({"cls.weight": (64, 64)}).rank_outputs == 0  # a dense layer before pooling: an embedder
+    assert _info({"token_embd.weight": (64, 10)}).rank_outputs == 0
+    labelled = {"cls.output.weight": (64, 2)}
+    assert _info(labelled, **{"bert.classifier.output_labels": ["yes", "no"]}).rank_outputs == 2
+
+
+def test_the_relevance_of_each_kind_of_head():
+    """One logit: its sigmoid; yes/no labels (Qwen3-Reranker converted by llama.cpp, whose graph takes the
+    softmax): P(yes) as given; two other classes: the softmax's second; more: not a reranker."""
+    from types import SimpleNamespace
+
+    from quantserve.rerank import classify, rerank_kind
+
+    def relevance(outputs, labels=()):
+        async def rank(query, documents):
+            return [outputs], 3
+
+        llm = SimpleNamespace(name="m", rank_outputs=len(outputs), rank_labels=labels, rank=rank)
+        (score,), _ = asyncio.run(classify(llm, "q", ["d"]))
+        return score, rerank_kind(llm)
+
+    assert relevance([0.0]) == (0.5, "classifier")
+    assert relevance([0.8, 0.2], ("yes", "no")) == (0.8, "classifier")
+    score, _ = relevance([1.0, 3.0], ("LABEL_0", "LABEL_1"))
+    assert abs(score - 1 / (1 + math.exp(-2.0))) < 1e-12
+    with pytest.raises(Exception, match="3 classes"):
+        relevance([0.1, 0.2, 0.3])

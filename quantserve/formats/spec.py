@@ -73,19 +73,22 @@ class GGUFInfo:
 
     @property
     def rank_outputs(self) -> int:
-        """Outputs of a classification head that llama.cpp's rank pooling applies (a cross-encoder such as
-        bge-reranker, converted by convert_hf_to_gguf.py: cls.output after the optional cls dense layer);
-        0 for a model without one."""
+        """Outputs of a classification head that llama.cpp's rank pooling applies, as convert_hf_to_gguf.py writes
+        one: cls.output (after an optional cls dense layer: bge-reranker), or a cls layer of one or two outputs alone
+        (jina-reranker-v1-tiny). As many as the classifier's labels where it names them (Qwen3-Reranker: yes, no).
+        0 for a model without one; a cls layer as wide as the model is a dense layer before pooling (ModernBERT
+        embedders), not a classifier."""
         heads = {t.name: t for t in self.tensors if t.name in ("cls.weight", "cls.output.weight")}
-        head = heads.get("cls.output.weight") or heads.get("cls.weight")
-        return 0 if head is None else (head.shape[1] if len(head.shape) > 1 else 1)
-
-    @property
-    def rerank_template(self) -> str | None:
-        """The prompt a reranker GGUF gives for a pair, with {query} and {document} in it (llama.cpp's
-        tokenizer.chat_template.rerank), or None: the pair is then joined with the vocabulary's special tokens."""
-        value = self.metadata.get("tokenizer.chat_template.rerank")
-        return value if isinstance(value, str) and value else None
+        head = heads.get("cls.output.weight")
+        if head is None:
+            head = heads.get("cls.weight")
+            if head is None or (len(head.shape) > 1 and head.shape[1] > 2):
+                return 0
+        arch = self.metadata.get("general.architecture")
+        labels = self.metadata.get(f"{arch}.classifier.output_labels")
+        if isinstance(labels, list) and labels:
+            return len(labels)
+        return head.shape[1] if len(head.shape) > 1 else 1
 
     @property
     def split_no(self) -> int:

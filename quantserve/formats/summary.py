@@ -236,6 +236,8 @@ def _count(n: float, units: tuple[str, ...], step: int) -> str:
 
 
 def _rerank_row(s: ModelSummary) -> str:
+    if s.rank_outputs > 2:
+        return f"no: a classification head of {s.rank_outputs} classes, not a relevance score"
     if s.rank_outputs:
         return f"cross-encoder: a classification head of {s.rank_outputs} output(s), llama.cpp rank pooling (/v1/rerank)"
     return "yes/no judge with its chat template (/v1/rerank)" if s.has_chat_template else "no"

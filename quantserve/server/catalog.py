@@ -53,7 +53,8 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
         vision = resolved.mmproj is not None or find_mmproj(spec.files[0]) is not None
     else:
         vision = any("Llava" in a for a in architectures)
-    ranker = spec.format == "gguf" and read_gguf_info(spec.files[0]).rank_outputs > 0
+    rank_outputs = read_gguf_info(spec.files[0]).rank_outputs if spec.format == "gguf" else 0
+    ranker = rank_outputs > 0
     if ranker:
         chat = False
     elif settings.chat_template:
@@ -72,7 +73,7 @@ def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int
         "format": spec.format,
         "architecture": spec.architecture,
         "input_modalities": ["text", "image"] if vision else ["text"],
-        "capabilities": ["rerank"]  # a cross-encoder (quantserve.rerank)
+        "capabilities": (["rerank"] if rank_outputs <= 2 else [])  # a cross-encoder (quantserve.rerank)
         if ranker
         else [
             "completion",
@@ -180,9 +181,10 @@ def build_router(
 def model_card(llm: LLM) -> dict:
     """/v1/models' entry for a loaded model: OpenAI's fields, plus what it is and can do."""
     info = llm.info
+    chat = llm.chat_template is not None and not llm.rank_outputs  # a reranker refuses chats, template or not
     capabilities = [] if llm.rank_outputs else ["completion"]
-    capabilities += ["chat"] if llm.chat_template is not None else []
-    capabilities += ["tools"] if llm.chat_template is not None and llm.tool_format else []
+    capabilities += ["chat"] if chat else []
+    capabilities += ["tools"] if chat and llm.tool_format else []
     capabilities += ["vision"] if llm.takes_images else []
     capabilities += ["embeddings"] if llm.can_embed else []
     capabilities += ["rerank"] if rerank_kind(llm) else []

@@ -73,6 +73,14 @@ class LlamaCppRunner:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         train = n_ctx_train or lc.llama_model_n_ctx_train(self.model)
         self.n_ctx = settings.n_ctx(train)
+        if rank_outputs and self.n_ctx > train:
+            # an encoder's learned positions end there: a longer input would make llama.cpp abort
+            log.info(
+                "a reranker reads at most %d tokens (its positions); --ctx-size %d is cut to that",
+                train,
+                self.n_ctx,
+            )
+            self.n_ctx = train
         # Per-sequence KV (llama.cpp "streams") keeps every sequence's cells contiguous and its own, so a greedy
         # request gives the same tokens alone or batched (measured: identical; with the unified pool, summation
         # order over interleaved cells makes tokens drift after a few dozen). It costs n_ctx cells per sequence.
@@ -101,7 +109,12 @@ class LlamaCppRunner:
         cparams.flash_attn_type = FLASH_ATTN[own.flash_attn]
         # A reranker (a classification head, see GGUFInfo.rank_outputs) only scores whole inputs: its context
         # pools each sequence through the head, and a batch must fit one ubatch (an encoder attends both ways).
-        self.rank_outputs = rank_outputs
+        # llama.cpp keeps n_cls_out values per sequence (the labels' count, else 1): so many are read back.
+        self.rank_outputs = lc.llama_model_n_cls_out(self.model) if rank_outputs else 0
+        self.rank_labels = tuple(
+            (lc.llama_model_cls_label(self.model, i) or b"").decode("utf-8", "replace")
+            for i in range(self.rank_outputs)
+        )
         if rank_outputs:
             cparams.embeddings = True
             cparams.pooling_type = lc.LLAMA_POOLING_TYPE_RANK
@@ -123,6 +136,11 @@ class LlamaCppRunner:
             num_slots=settings.max_num_seqs,
             shared=own.kv_unified,
             pack_slots=not own.kv_unified,
+            # a recurrent state cannot be cut back to a shorter prefix (llama_memory_seq_rm refuses), so such a
+            # model keeps no prefix cache, and nothing is copied between its slots
+            prefix_cache=not (
+                lc.llama_model_is_recurrent(self.model) or lc.llama_model_is_hybrid(self.model)
+            ),
         )
         log.info(
             "KV cache: %d cells (%s), %s, flash attention %s",
@@ -227,22 +245,30 @@ class LlamaCppRunner:
     def adds_bos(self) -> bool:
         return bool(lc.llama_vocab_get_add_bos(self.vocab))
 
-    def pair_input(self, query: str, document: str) -> list[int]:
-        """A cross-encoder's input for a query and a document, as llama-server's format_prompt_rerank
-        (tools/server/server-common.cpp) builds it: the GGUF's rerank template with {query} and {document}
-        filled in where it has one; else BOS if the vocabulary adds one, the query, EOS (SEP where there is no
-        EOS) if it adds one, SEP if it adds one, the document, and EOS again."""
+    def pair_inputs(self, query: str, documents: list[str]) -> list[list[int]]:
+        """A cross-encoder's input for the query with each document, as llama-server's format_prompt_rerank
+        (tools/server/server-common.cpp) builds it: the GGUF's rerank template (tokenizer.chat_template.rerank)
+        with {query} and {document} filled in where it has one (Qwen3-Reranker's); else BOS if the vocabulary adds
+        one, the query, EOS (SEP where there is no EOS) if it adds one, SEP if it adds one, the document, and EOS
+        again."""
         template = lc.llama_model_chat_template(self.model, b"rerank")
         if template:
-            text = template.decode("utf-8").replace("{query}", query).replace("{document}", document)
-            return self.tokenize(text, add_special=False, parse_special=True)
+            text = template.decode("utf-8").replace("{query}", query)
+            return [
+                self.tokenize(text.replace("{document}", d), add_special=False, parse_special=True)
+                for d in documents
+            ]
         bos, eos, sep = self.bos_token, self.eos_token, lc.llama_vocab_sep(self.vocab)
         eos = eos if eos >= 0 else sep
         add_eos = [eos] if lc.llama_vocab_get_add_eos(self.vocab) and eos >= 0 else []
         add_sep = [sep] if lc.llama_vocab_get_add_sep(self.vocab) and sep >= 0 else []
-        q = self.tokenize(query, add_special=False, parse_special=False)
-        d = self.tokenize(document, add_special=False, parse_special=False)
-        return [bos] * (self.adds_bos() and bos >= 0) + q + add_eos + add_sep + d + add_eos
+        head = [bos] * (self.adds_bos() and bos >= 0) + self.tokenize(
+            query, add_special=False, parse_special=False
+        )
+        return [
+            head + add_eos + add_sep + self.tokenize(d, add_special=False, parse_special=False) + add_eos
+            for d in documents
+        ]
 
     def check_params(self, params) -> None:
         """Build the sampler chain once, so a bad logit_bias is a 400 for this request, not an engine failure."""
@@ -368,7 +394,7 @@ class LlamaCppRunner:
     # ---- reranking ----------------------------------------------------------------------------
 
     def rank(self, inputs: list[list[int]]) -> list[list[float]]:
-        """The classification head's outputs for each input (a query and a document joined, see pair_input),
+        """The classification head's outputs for each input (a query and a document joined, see pair_inputs),
         several inputs per decode: up to max_num_seqs of them and n_batch tokens."""
         assert self.rank_outputs, "rank() on a model without a classification head"
         limit = lc.llama_n_batch(self.ctx)

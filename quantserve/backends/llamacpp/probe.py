@@ -203,8 +203,9 @@ def _child(argv: list[str]) -> int:
             rank_outputs=info.rank_outputs,
         )
         try:
-            if runner.rank_outputs:  # a reranker: one pair through its classification head
-                runner.rank([runner.pair_input(SAMPLE_TEXT, SAMPLE_TEXT)])
+            if runner.rank_outputs:  # a reranker: one pair (its first PROBE_CTX tokens) through its head
+                (pair,) = runner.pair_inputs(SAMPLE_TEXT, [SAMPLE_TEXT])
+                runner.rank([pair[:PROBE_CTX]])
                 return 0
             tokens = runner.tokenize(SAMPLE_TEXT, add_special=True, parse_special=True) or [0]
             seq = Sequence(

@@ -390,7 +390,9 @@ def _capabilities(slot: Slot, facts: dict[str, Any] | None) -> list[str]:
     llm = slot.llm
     if llm is not None:
         caps = [] if llm.rank_outputs else ["completion"]
-        caps += ["tools"] if llm.chat_template is not None and llm.tool_format else []
+        caps += (
+            ["tools"] if llm.chat_template is not None and llm.tool_format and not llm.rank_outputs else []
+        )
         caps += ["vision"] if llm.takes_images else []
         caps += ["embedding"] if llm.can_embed else []
         caps += ["rerank"] if rerank_kind(llm) else []  # /v1/rerank (Ollama has no name for it yet)
