@@ -78,7 +78,7 @@ def build_cross_encoder(
         num_labels=1, layer_norm_eps=1e-5, hidden_act="gelu_pytorch_tanh",  # llama.cpp's BERT uses tanh GELU
         architectures=["RobertaForSequenceClassification"],
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(1)  # a seed whose 8 documents score well apart (closest two: 0.0096)
     model = transformers.RobertaForSequenceClassification(config).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(dst)
     with torch.no_grad():  # weights large enough that the documents score apart, and logits centred on 0
