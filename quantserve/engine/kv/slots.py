@@ -10,9 +10,10 @@ sequences need their cells. The runner is told which cached KV to drop (DropKV).
 
 With per-sequence KV, a prefix is also copied between slots (CopyKV): a sequence whose slot holds less of its
 prefix than another slot does, free or running, gets that slot's cells when that saves MIN_COPY_GAIN tokens or
-more. So documents of one rerank request, or clients with one long system prompt, compute their shared prefix
-once however many slots they run in. llama.cpp copies a whole per-sequence stream (n_ctx cells of every layer:
-47 MB for SmolLM2 at 2048 cells, a few ms), which the gain must outweigh.
+more. So once a shared prefix (a long system prompt, a rerank request's query) is computed, or being computed by
+a running sequence, later sequences do not compute it again in other slots; sequences admitted in the same step
+before any has computed it each still do. llama.cpp copies a whole per-sequence stream (n_ctx cells of every
+layer: 47 MB for SmolLM2 at 2048 cells, a few ms), which the gain must outweigh.
 
 With `pack`, a new sequence takes the lowest free slot: llama.cpp computes each run of consecutive seq ids as its
 own pass over the weights, so a gap among the running slots costs a pass on every step it lasts (about 5 ms with
@@ -48,9 +49,8 @@ class SlotKV:
         self._free_slots = list(range(num_slots))
         self.slot_tokens: dict[int, list[int]] = {}  # free slot -> tokens its KV still holds (oldest first)
         self._reserved: dict[int, int] = {}  # seq_id -> cells counted for it
-        self._running: dict[
-            int, Sequence
-        ] = {}  # slot -> its sequence: cells below its num_computed are valid
+        # slot -> its sequence: the cells below its num_computed are valid (a donor for CopyKV)
+        self._running: dict[int, Sequence] = {}
         self._ops: list[DropKV | CopyKV] = []
 
     # ---- counts ------------------------------------------------------------------------------------
