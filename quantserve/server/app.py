@@ -29,6 +29,7 @@ from quantserve.server.middleware import (
     LeaseMiddleware,
     RequestMetricsMiddleware,
 )
+from quantserve.server.ollama import models as ollama_models
 from quantserve.server.ollama import routes as ollama_routes
 from quantserve.server.openai import routes as openai_routes
 from quantserve.server.openai.protocol import EmbeddingRequest
@@ -95,6 +96,7 @@ def create_app(
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(ollama_routes.router)
+    app.include_router(ollama_models.router)
     app.include_router(rerank_router)
 
     @app.get("/", include_in_schema=False)

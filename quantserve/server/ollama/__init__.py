@@ -1,1 +1,1 @@
-"""Ollama's native API (/api/...): quantserve.server.ollama.routes."""
+"""Ollama's native API (/api/...): generation in quantserve.server.ollama.routes, models in .models."""

@@ -1,19 +1,25 @@
-"""Ollama's native API (docs/api.md of the ollama repository): request bodies, `options` onto our sampling, and
-Ollama's messages onto the chat path's. Unknown fields are ignored, as Ollama ignores them; a field of the wrong
+"""Ollama's native API (docs/api.md of the ollama repository): request bodies, `options` onto our sampling,
+Ollama's messages onto the chat path's, model names with their tags, and NDJSON streams. Unknown fields are ignored, as Ollama ignores them; a field of the wrong
 type is a 400 naming it."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from quantserve.chat import ChatRequest
 from quantserve.chat.tools import ToolChoice, parse_openai_tools
-from quantserve.errors import InvalidRequestError
+from quantserve.errors import InvalidRequestError, QuantserveError
 from quantserve.server.content import ContentReader
+
+log = logging.getLogger("quantserve.server")
+NDJSON = "application/x-ndjson"
 
 _LENIENT = ConfigDict(extra="ignore", populate_by_name=True)
 
@@ -237,3 +243,28 @@ def chat_request(body: ChatBody, reader: ContentReader) -> ChatRequest:
         ToolChoice("auto" if tools else "none"),
         response_schema=response_schema(body.format),
     )
+
+
+def untagged(model: str) -> str:
+    """Ollama's `name:latest` is the model `name`; other tags are part of the name."""
+    return model[: -len(":latest")] if model.endswith(":latest") else model
+
+
+def tagged(name: str) -> str:
+    return name if ":" in name else f"{name}:latest"
+
+
+def ndjson(objs: AsyncIterator[dict]) -> StreamingResponse:
+    """A stream of JSON lines; a failure after the first line becomes an `{"error": ...}` line, which Ollama's
+    clients raise."""
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for obj in objs:
+                yield (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+        except Exception as exc:  # noqa: BLE001 - reported in the stream, as Ollama does, and logged
+            log.exception("generation failed mid-stream")
+            message = exc.message if isinstance(exc, QuantserveError) else f"{type(exc).__name__}: {exc}"
+            yield (json.dumps({"error": f"generation failed: {message}"}) + "\n").encode()
+
+    return StreamingResponse(lines(), media_type=NDJSON)
