@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,16 +29,14 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serving import free_port  # noqa: E402
+
 QUESTION = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the capital of France?"},
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(url: str, proc: subprocess.Popen, log: Path, seconds: float) -> float:
@@ -118,13 +115,13 @@ def main() -> None:
         model = ollama_ids[0]
         t0 = time.monotonic()
         r = httpx.post(base + "/api/chat/completions", headers=auth, timeout=300,
-                       json={"model": model, "messages": QUESTION, "stream": False})  # fmt: skip
+                       json={"model": model, "messages": QUESTION, "stream": False, "temperature": 0})  # fmt: skip
         r.raise_for_status()
         answer = r.json()["choices"][0]["message"]["content"]
         chat_s = time.monotonic() - t0
         streamed = ""
         with httpx.stream("POST", base + "/api/chat/completions", headers=auth, timeout=300,
-                          json={"model": model, "messages": QUESTION, "stream": True}) as s:  # fmt: skip
+                          json={"model": model, "messages": QUESTION, "stream": True, "temperature": 0}) as s:  # fmt: skip
             s.raise_for_status()
             for line in s.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
