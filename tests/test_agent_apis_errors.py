@@ -3,6 +3,8 @@ naming the field, and the server keeps serving. In-process app on the real SmolL
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -208,6 +210,10 @@ def test_api_key_by_bearer_or_x_api_key_with_errors_in_each_shape(smollm2_gguf):
             "options": {"num_predict": 2},
         }
         r = c.post("/api/chat", json=ollama_chat, headers={"Authorization": "Bearer secret"})
+        assert r.status_code == 200 and r.json()["done"]
+        # as Ollama's docs send it (`curl -d`: form-encoded), read as JSON as Ollama reads it
+        form = {"Authorization": "Bearer secret", "content-type": "application/x-www-form-urlencoded"}
+        r = c.post("/api/chat", content=json.dumps(ollama_chat), headers=form)
         assert r.status_code == 200 and r.json()["done"]
         for path in ("/api/tags", "/api/ps"):
             r = c.get(path)

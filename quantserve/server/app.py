@@ -27,6 +27,7 @@ from quantserve.server.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     LeaseMiddleware,
+    OllamaJsonMiddleware,
     RequestMetricsMiddleware,
 )
 from quantserve.server.ollama import models as ollama_models
@@ -213,6 +214,7 @@ def create_app(
     # Innermost first (the last added runs first): metrics see every status, the key check runs before bodies are
     # read, and a request's leases are given back after its response has been sent.
     app.add_middleware(LeaseMiddleware, router=router)
+    app.add_middleware(OllamaJsonMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

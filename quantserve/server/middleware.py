@@ -1,5 +1,5 @@
 """Pure ASGI middlewares (no BaseHTTPMiddleware, so disconnects still reach handlers): body limit, API key,
-request metrics, model leases."""
+request metrics, model leases, and JSON bodies on Ollama's routes whatever their content type."""
 
 from __future__ import annotations
 
@@ -77,6 +77,24 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class OllamaJsonMiddleware:
+    """Ollama reads a request body as JSON whatever its Content-Type, and its docs send bodies with `curl -d`
+    (form-encoded by curl's default): on /api/ routes the body is declared JSON, so such requests work here too."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if (
+            scope["type"] == "http"
+            and scope["path"].startswith("/api/")
+            and scope["method"] in ("POST", "DELETE")
+        ):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:
