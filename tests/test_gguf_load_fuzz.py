@@ -160,3 +160,39 @@ def test_vocabulary_with_a_repeated_token_is_refused_before_llama_cpp_aborts(wor
         read_gguf_info(bad)
     r = _load(bad)
     assert r.returncode == 2 and "twice" in r.stderr, r.stderr[-2000:]
+
+
+def _token_with_nul(work_copy, tmp_path):
+    """SmolLM2 with one token's bytes overwritten as in a real report: 'Ġ', a NUL, then bytes of the same length.
+    llama.cpp reads the text up to the NUL, 'Ġ', which is already a token."""
+    import struct
+
+    tokens = read_gguf_info(work_copy).metadata["tokenizer.ggml.tokens"]
+    space = tokens.index("Ġ")
+    new = "Ġ".encode() + b"\x00\x00\x00\x80\x00\x00\x00\x00ve"
+    victim = next(
+        i
+        for i in range(1000, len(tokens))
+        if tokens[i].startswith("Ġ") and len(tokens[i].encode()) == len(new)
+    )
+    old = tokens[victim].encode()
+    data = bytearray(work_copy.read_bytes())
+    at = data.find(struct.pack("<Q", len(old)) + old) + 8
+    data[at : at + len(old)] = new
+    bad = tmp_path / "nul-token.gguf"
+    bad.write_bytes(data)
+    return bad, space, victim
+
+
+def test_token_text_cut_at_a_nul_that_repeats_another_is_refused(work_copy, tmp_path):
+    """llama.cpp reads token texts as C strings: bytes that differ after a NUL make the same text, and it aborts.
+    The validator sees the texts as llama.cpp does."""
+    from quantserve.errors import ModelFileError
+
+    bad, space, victim = _token_with_nul(work_copy, tmp_path)
+    raw = subprocess.run([sys.executable, "-c", RAW_CHILD, str(bad)], capture_output=True, timeout=120)
+    assert raw.returncode < 0, "llama.cpp no longer aborts on this file; the check may be relaxed"
+    with pytest.raises(ModelFileError, match=rf"twice \(ids {space} and {victim}\).*end at the NUL"):
+        read_gguf_info(bad)
+    r = _load(bad)
+    assert r.returncode == 2 and "twice" in r.stderr, r.stderr[-2000:]

@@ -144,9 +144,10 @@ class _Parser:
         # The hot loop for 50k–250k token vocabularies: locals only, one bounds check per element.
         buf, size, pos, unpack, out = self.buf, self.size, self.pos, _U64.unpack_from, []
         append = out.append
-        # llama.cpp maps each token's bytes back to its id and asserts that no two tokens share bytes
-        # (GGML_ASSERT in llama-vocab.cpp: the whole process aborts), renaming an empty token "[EMPTY_<i>]" first.
-        # So a vocabulary is checked here, on the raw bytes (decoding with "replace" could merge distinct ones).
+        # llama.cpp maps each token's text back to its id and asserts that no two tokens share it (GGML_ASSERT in
+        # llama-vocab.cpp: the whole process aborts). It reads the text as a C string, so it ends at the first NUL
+        # byte, and an empty one is renamed "[EMPTY_<i>]". So a vocabulary is checked here on those bytes, as
+        # llama.cpp sees them (decoding with "replace" could merge distinct ones).
         seen: dict[bytes, int] | None = {} if key == VOCAB_KEY else None
         for i in range(count):
             if pos + 8 > size:
@@ -164,13 +165,15 @@ class _Parser:
                 self.need(8 + n, f"element {i} of '{key}'")
             append(str(buf[pos + 8 : end], "utf-8", "replace"))
             if seen is not None:
-                raw = bytes(buf[pos + 8 : end]) or f"[EMPTY_{i}]".encode()
-                first = seen.setdefault(raw, i)
+                raw = bytes(buf[pos + 8 : end])
+                text = raw.split(b"\0", 1)[0] or f"[EMPTY_{i}]".encode()
+                first = seen.setdefault(text, i)
                 if first != i:
                     self.pos = pos
+                    cut = f" (its bytes {raw!r} end at the NUL for llama.cpp)" if text != raw else ""
                     raise self.fail(
-                        f"'{key}' holds the token {raw!r} twice (ids {first} and {i}); llama.cpp would abort on "
-                        f"this vocabulary; {_fix(False)}"
+                        f"'{key}' holds the token {text!r} twice (ids {first} and {i}){cut}; llama.cpp would abort "
+                        f"on this vocabulary; {_fix(False)}"
                     )
             pos = end
         self.pos = pos
