@@ -290,12 +290,11 @@ def cost(src: Path, repeats: int = 5) -> dict:
     from quantserve.backends.llamacpp.probe import PROBE_CTX
     from quantserve.core.settings import EngineSettings
 
-    n_ctx_train = read_gguf_info(src).context_length
     probe_settings = EngineSettings(ctx_size=PROBE_CTX, n_batch=PROBE_CTX, max_num_seqs=1, threads=1)
 
     def load(settings: EngineSettings) -> float:
         t0 = time.perf_counter()
-        LlamaCppRunner(src, settings, n_ctx_train=n_ctx_train).close()
+        LlamaCppRunner(src, settings).close()
         return time.perf_counter() - t0
 
     probe_gguf(src)  # warm the page cache and the interpreter's imports on disk

@@ -16,11 +16,12 @@ from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt,
 from quantserve.chat.formats import ToolFormat
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import Image, ImageSpan, expand_images
-from quantserve.core.runner import VisionSpec
+from quantserve.core.plan import ModelPlan
+from quantserve.core.runner import ModelInfo, ModelRunner, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
-from quantserve.engine.async_engine import AsyncEngine, RequestStream
+from quantserve.engine.async_engine import AsyncEngine, RequestStream  # noqa: F401 - RequestStream: the server's type of a stream
 from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
 from quantserve.engine.scheduler import SchedulerConfig
@@ -47,17 +48,25 @@ class EngineStats:
 class LLM:
     """A loaded model behind an engine thread. Use `LLM.load(...)`, then `generate`/`chat` from asyncio code."""
 
-    def __init__(self, name: str, runner, settings: EngineSettings, chat_template: ChatTemplate | None, info):
+    def __init__(
+        self,
+        name: str,
+        runner: ModelRunner,
+        plan: ModelPlan,
+        chat_template: ChatTemplate | None,
+        info: ModelInfo,
+    ):
         self.name = name
         self._runner = runner
-        self.settings = settings
+        self.plan = plan  # what was decided before loading (capabilities, template, KV), read by /v1/models
+        self.settings = settings = plan.settings
         self.chat_template = chat_template
-        self.info = info  # ModelInfo: architecture, size, format, backend
+        self.info = info  # architecture, parameters, format, backend: as loaded
         self.n_ctx = runner.n_ctx
         self.n_vocab = runner.n_vocab
-        self.vision: VisionSpec | None = getattr(runner, "vision", None)  # None: text only
+        self.vision: VisionSpec | None = runner.vision  # None: text only
         # > 0: a reranker's classification head (llama.cpp's rank pooling), which scores and never generates
-        self.rank_outputs: int = getattr(runner, "rank_outputs", 0)
+        self.rank_outputs: int = plan.rank_outputs
         self.rank_labels: tuple[str, ...] = getattr(
             runner, "rank_labels", ()
         )  # the head's, where it names them
@@ -96,31 +105,56 @@ class LLM:
     def _format(self) -> ToolFormat:
         return tool_format(self._template())
 
-    @classmethod
-    def load(cls, model: ResolvedModel, settings: EngineSettings) -> LLM:
-        """Detect the format, validate the files, pick a backend and start it.
+    @staticmethod
+    def plan_for(model: ResolvedModel, settings: EngineSettings) -> ModelPlan:
+        """How `model` would be run under `settings`: detected once, from headers only, nothing loaded.
 
         Raises:
-            ModelFileError: the file is malformed or truncated (validated before any C code sees it).
+            ModelFileError: the files are malformed (validated before any C code sees them).
             BackendUnavailableError: the format needs a backend that is not available here.
+            ConfigError: a setting the chosen backend refuses.
         """
-        from quantserve.backends.select import load_backend
+        from quantserve.backends.select import plan_model
         from quantserve.formats import detect
 
         settings = settings.for_model(model.entry)
         if model.mmproj is not None and settings.llamacpp.mmproj is None:  # models.toml's, resolved
             settings = replace(settings, llamacpp=replace(settings.llamacpp, mmproj=str(model.mmproj)))
-        loaded = load_backend(detect(model.path), settings)
+        return plan_model(detect(model.path), settings)
+
+    @staticmethod
+    def check(plan: ModelPlan) -> None:
+        """What can refuse the model before any memory is spent on it (a GGUF's probe in a child process).
+
+        Raises:
+            ModelFileError: the file would kill or fail the load.
+        """
+        from quantserve.backends.select import BACKENDS
+
+        BACKENDS[plan.backend].check(plan)
+
+    @classmethod
+    def load(cls, model: ResolvedModel, settings: EngineSettings, plan: ModelPlan | None = None) -> LLM:
+        """Plan the model (unless `plan` is given, from plan_for), log the plan, and carry it out.
+
+        Raises:
+            ModelFileError: the file is malformed or truncated, or llama.cpp's probe refused it.
+            BackendUnavailableError: the format needs a backend that is not available here.
+        """
+        from quantserve.backends.select import BACKENDS
+
+        plan = plan or cls.plan_for(model, settings)
+        for key, lines in plan.rows():
+            for line in lines:
+                log.info("plan for %s: %s: %s", model.name, key, line)
+        loaded = BACKENDS[plan.backend].load(plan)
         bos, eos = loaded.bos_token, loaded.eos_token
-        if settings.chat_template:
-            template = ChatTemplate.from_file(settings.chat_template, bos_token=bos, eos_token=eos)
-        elif loaded.chat_template:
+        template = None
+        if plan.template is not None:
             template = ChatTemplate(
-                loaded.chat_template, bos_token=bos, eos_token=eos, origin=loaded.template_origin
+                plan.template.text, bos_token=bos, eos_token=eos, origin=plan.template.origin
             )
-        else:
-            template = None
-        llm = cls(model.name, loaded.runner, settings, template, loaded.info)
+        llm = cls(model.name, loaded.runner, plan, template, loaded.info)
         llm._keep_alive = loaded.keep_alive  # a temporary conversion lives as long as the model
         return llm
 
@@ -145,7 +179,7 @@ class LLM:
 
     @property
     def can_embed(self) -> bool:
-        return hasattr(self._runner, "embed") and not self.rank_outputs
+        return "embeddings" in self.plan.capabilities
 
     def _refuse_if_reranker(self, param: str) -> None:
         if self.rank_outputs:
@@ -202,7 +236,7 @@ class LLM:
     @property
     def tool_format(self) -> str | None:
         """The name of the tool-call format the model's template uses (None without a template)."""
-        return self._format.name if self.chat_template is not None else None
+        return self.plan.tool_format
 
     def tokenize_prompt(self, text: str, *, chat: bool) -> list[int]:
         add_special = self._runner.adds_bos()

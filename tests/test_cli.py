@@ -59,15 +59,13 @@ def test_inspect_by_name_and_by_path(smollm2_gguf):
     for arg in ("smollm2", str(smollm2_gguf)):
         r = _cli("inspect", arg)
         assert r.returncode == 0, r.stderr
-        for text in (
-            "format:          gguf",
-            "architecture:    llama",
-            "134,515,008",
-            "Q4_1",
-            "8192",
-            "llamacpp",
-        ):
-            assert text in r.stdout
+        rows = {
+            k: v.strip() for k, _, v in (ln.partition(":") for ln in r.stdout.splitlines() if ln[:1] != " ")
+        }
+        assert rows["format"] == "gguf" and rows["architecture"] == "llama"
+        assert "134,515,008" in rows["parameters"] and rows["trained context"] == "8192"
+        assert rows["backend"].startswith("llamacpp — ") and rows["context"].endswith(" tokens")
+        assert "Q4_1" in r.stdout
 
 
 def test_inspect_refuses_a_pickle_with_exit_2(tmp_path):

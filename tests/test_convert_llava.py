@@ -24,7 +24,9 @@ from click.testing import CliRunner
 from quantserve.cli import main
 from quantserve.converters import hf_to_gguf, hf_to_mmproj
 from quantserve.errors import ModelFileError, ModelNotFoundError, UnsupportedFormatError
-from quantserve.formats import find_mmproj, read_gguf_info, summarize
+from quantserve.backends.select import plan_model
+from quantserve.core.settings import EngineSettings
+from quantserve.formats import detect, find_mmproj, read_gguf_info
 from quantserve.gguf.mmproj import vision_params
 from quantserve.gguf.params import normalize_hparams
 from quantserve.registry import load_registry, resolve
@@ -259,10 +261,14 @@ def test_convert_cli_writes_the_text_gguf_and_the_mmproj(layouts, smollm2_hf, tm
 
 def test_inspect_tells_a_llava_and_its_projector(layouts, tmp_path):
     src = layouts["saved"]
-    r = CliRunner().invoke(main, ["inspect", str(src)])
+    r = CliRunner().invoke(main, ["inspect", str(src)])  # no CUDA here: llama.cpp, after conversion
     assert r.exit_code == 0, r.output
-    assert "LLaVA: clip_vision_model tower (3 blocks" in r.output and "torch — dense float32" in r.output
-    assert "llamacpp (after convert)" in r.output and "vision projector (mmproj)" in r.output
+    assert "llamacpp — no CUDA GPU" in r.output and "write the vision projector (mmproj)" in r.output
+    assert "vision, embeddings" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(src), "--backend", "torch"])
+    assert r.exit_code == 0, r.output
+    assert "LLaVA: clip_vision_model tower (3 blocks" in r.output and "torch — asked for" in r.output
+    assert "load the CLIP vision tower" in r.output
     text = hf_to_gguf(src, tmp_path / "m.gguf", "q8_0", progress=False)
     r = CliRunner().invoke(main, ["inspect", str(text)])
     assert "images through" not in r.output  # no projector yet
@@ -306,7 +312,7 @@ def test_models_toml_mmproj_explicit_beside_and_missing(layouts, smollm2_gguf, t
     with pytest.raises(ModelFileError, match="2 vision projectors fit text.gguf"):
         find_mmproj(text)
     with pytest.raises(ModelFileError, match="not a vision projector"):
-        summarize(text, mmproj=tmp_path / "llava/smollm2.gguf")
+        plan_model(detect(text), EngineSettings.from_options(mmproj=str(tmp_path / "llava/smollm2.gguf")))
 
 
 # llava-hf/llava-1.5-7b-hf's config.json: transformers fills in every other value

@@ -21,9 +21,8 @@ from quantserve.formats import read_gguf_info
 from quantserve.backends.llamacpp.model import LlamaCppRunner
 from quantserve.core.settings import EngineSettings
 try:
-    info = read_gguf_info(sys.argv[1])
-    LlamaCppRunner(Path(sys.argv[1]), EngineSettings(ctx_size=256, max_num_seqs=1, threads=1),
-                   n_ctx_train=info.context_length).close()
+    read_gguf_info(sys.argv[1])
+    LlamaCppRunner(Path(sys.argv[1]), EngineSettings(ctx_size=256, max_num_seqs=1, threads=1)).close()
 except QuantserveError as exc:
     print("error:", exc.message, file=sys.stderr)
     sys.exit(2)

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from quantserve.backends.llamacpp.offload import ALL, MARGIN, Device, fit_layers, gpu_device, plan_offload
-from quantserve.core.model_size import gguf_shape, kv_bytes
+from quantserve.core.model_size import gguf_shape, llamacpp_kv
 from quantserve.core.settings import EngineSettings
 from quantserve.formats import read_gguf_info
 
@@ -43,9 +43,7 @@ def test_plan_on_smollm2(smollm2_gguf):
     assert plan.n_gpu_layers == ALL and plan.n_layer == shape.n_layer == 30
     assert plan.describe().startswith("all 30 layers and the output on NVIDIA GeForce RTX 4090 (")
     # a device with room for the margin, the buffers and half the layers: about half, counted from the end
-    need = sum(t.n_bytes for t in info.tensors if t.name.startswith("blk.")) + kv_bytes(
-        shape, auto, "llamacpp"
-    )
+    need = sum(t.n_bytes for t in info.tensors if t.name.startswith("blk.")) + llamacpp_kv(shape, auto).bytes
     buffers = 512 * (49152 + 16 * 576) * 4  # n_batch x (vocab + 16 x n_embd) fp32
     small = Device("Metal", "Apple M2", free=need // 2 + MARGIN + buffers, total=0)
     half = plan_offload(smollm2_gguf, auto, small)

@@ -23,6 +23,7 @@ class FakeLLM:
         self.name, self.closed = name, False
         self.n_ctx, self.settings = 64, EngineSettings()
         self.info = type("Info", (), {"backend": "fake"})()
+        self.plan = type("Plan", (), {"memory_bytes": 0, "n_ctx": 64})()
 
     def close(self) -> None:
         self.closed = True
@@ -34,7 +35,7 @@ def loads(monkeypatch):
     calls: list[str] = []
     lock = threading.Lock()
 
-    def load(resolved, settings):
+    def load(resolved, settings, plan=None):
         with lock:
             calls.append(resolved.name)
         time.sleep(0.3 if resolved.name.startswith("slow") else 0.01)
@@ -230,9 +231,9 @@ def test_names_any_case_aliases_and_a_default(loads):
 
 def test_the_kv_estimate_reads_per_layer_head_counts(smollm2_gguf, tmp_path):
     """llama.cpp allows head_count_kv as a per-layer array (OpenELM, Nemotron-NAS): summed, not repeated."""
+    from quantserve.backends.select import plan_model
     from quantserve.core.model_size import model_shape
     from quantserve.formats import detect
-    from quantserve.server.memory import estimate_bytes
     from tests.gguf_mutants import PASSING, write_mutant
 
     per_layer = tmp_path / "per-layer.gguf"
@@ -240,15 +241,19 @@ def test_the_kv_estimate_reads_per_layer_head_counts(smollm2_gguf, tmp_path):
     plain, mutant = model_shape(detect(smollm2_gguf)), model_shape(detect(per_layer))
     assert (plain.kv_heads, mutant.kv_heads) == (30 * 3, 29 * 3 + 1)
     settings = EngineSettings(ctx_size=1024, max_num_seqs=2)
-    kv = estimate_bytes(detect(smollm2_gguf), settings, "llamacpp") - smollm2_gguf.stat().st_size
-    assert kv == 2 * 90 * 64 * 2048 * 2  # K and V, 90 heads of 64 over the layers, 2048 cells, f16
+    plan = plan_model(detect(smollm2_gguf), settings)
+    assert (
+        plan.memory_bytes - plan.weight_bytes == 2 * 90 * 64 * 2048 * 2
+    )  # K and V, 90 heads of 64, 2048 cells
+    assert plan.weight_bytes == smollm2_gguf.stat().st_size
+    assert plan_model(detect(per_layer), settings).kv.bytes == 2 * 88 * 64 * 2048 * 2
 
 
 def test_a_client_unload_waits_for_the_request_and_a_single_model_server_loads_again(loads, monkeypatch):
     """Ollama's keep_alive 0: the model unloads once the asking request is done; a single-model server, which
     otherwise answers 503 while its model is not loaded, loads it on the next request. A pinned models.toml entry
     stays, and so does a model handed over already loaded (nothing could load it again)."""
-    monkeypatch.setattr("quantserve.server.router._facts_of", lambda llm: {"context_length": llm.n_ctx})
+    monkeypatch.setattr("quantserve.server.slot.plan_facts", lambda plan: {"context_length": plan.n_ctx})
 
     async def main():
         r = _router(_slot("one", pinned=True), single=True)

@@ -43,7 +43,7 @@ def test_the_llamacpp_path_needs_no_torch(smollm2_gguf):
     assert backend == "llamacpp" and len(rest) > 2
     assert out.stdout.strip().splitlines()[-1] == "False"
     inspect = cli_without_torch("inspect", str(smollm2_gguf))
-    assert inspect.returncode == 0 and "gpu offload:" in inspect.stdout, inspect.stderr[-2000:]
+    assert inspect.returncode == 0 and "load it with llama.cpp:" in inspect.stdout, inspect.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

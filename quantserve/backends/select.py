@@ -1,31 +1,22 @@
-"""Which backend serves a model: the one asked for, or `auto` from the weights' format and the hardware.
-
-The choice and its reason are logged, so a user can see why a model runs where it runs.
-"""
+"""Which backend serves a model, and its plan: the one asked for, or `auto` from the weights' format and the
+hardware. BACKENDS lists every backend; each is an object with plan() and load() (quantserve.core.plan)."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 
-from quantserve.core.runner import LoadedModel
+from quantserve.backends.llamacpp.backend import LlamaCppBackend
+from quantserve.backends.torch.archs import ARCHITECTURES, LOAD_QUANTS, MULTIMODAL
+from quantserve.backends.torch.backend import TorchBackend
+from quantserve.core.plan import ModelPlan
 from quantserve.core.settings import EngineSettings
-from quantserve.errors import BackendUnavailableError, require_torch
+from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
 
 log = logging.getLogger("quantserve")
 
-# name -> "module:function" taking (spec, EngineSettings) and returning a LoadedModel.
-# Imported on use: the llama.cpp path never pays for importing torch, and vice versa.
-BACKENDS = {
-    "llamacpp": "quantserve.backends.llamacpp.loader:load_llamacpp",
-    "torch": "quantserve.backends.torch.loader:load_torch",
-}
-# What the torch backend can run, known here without importing torch (model.py and weights.py check the same).
-TORCH_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlavaForConditionalGeneration",
-)  # fmt: skip
-TORCH_LOAD_QUANTS = ("int4",)
+# Neither module imports llama.cpp or torch until a plan or a load needs it.
+BACKENDS = {"llamacpp": LlamaCppBackend(), "torch": TorchBackend()}
 
 
 def _cuda() -> bool:
@@ -47,9 +38,9 @@ def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) ->
     if spec.format == "gguf":
         return "llamacpp", "GGUF is llama.cpp's own format"
     arch = next(iter((spec.config or {}).get("architectures") or []), None)
-    if arch not in TORCH_ARCHITECTURES:
+    if arch not in ARCHITECTURES and arch not in MULTIMODAL:
         return "llamacpp", f"the torch backend does not implement {arch or 'this architecture'}"
-    if quant and quant.lower() in TORCH_LOAD_QUANTS:
+    if quant and quant.lower() in LOAD_QUANTS:
         return "torch", f"--quant {quant} is applied at load by the torch backend"
     if quant:
         return "llamacpp", f"--quant {quant} is a GGUF type, which llama.cpp serves"
@@ -69,10 +60,12 @@ def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) ->
     )
 
 
-def load_backend(spec: ModelSpec, settings: EngineSettings) -> LoadedModel:
+def plan_model(spec: ModelSpec, settings: EngineSettings) -> ModelPlan:
+    """The plan for `spec` under `settings` (a models.toml entry's defaults already in them): the backend's
+    choice, then that backend's plan. Headers only.
+
+    Raises:
+        QuantserveError: an unknown backend; a format or a setting the chosen backend refuses; malformed files.
+    """
     name, reason = choose_backend(spec, settings.backend, settings.quant)
-    log.info("backend %s for %s: %s", name, spec.path, reason)
-    if name == "torch":
-        require_torch("the torch backend")
-    module, func = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), func)(spec, settings)
+    return BACKENDS[name].plan(spec, settings, reason)

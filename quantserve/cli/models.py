@@ -37,46 +37,32 @@ def models(models_file: str | None) -> None:
 @click.command()
 @click.argument("model")
 @click.option("--models-file", default=None, help="models.toml to read (default: ./models.toml)")
-def inspect(model: str, models_file: str | None) -> None:
-    """Describe MODEL (a path, or a models.toml name): format, architecture, parameters, quantization per
-    tensor class, bits per weight, size, context length, chat template, vision (a LLaVA, a projector file, or
-    the projector served with a GGUF), and which backends can serve it."""
+@click.option("--backend", default=None, help="as `quantserve run --backend`: auto, llamacpp or torch")
+@click.option(
+    "--quant", default=None, help="as `quantserve run --quant`: a GGUF type or int4, applied at load"
+)
+@click.option("--ctx-size", type=int, default=None, help="as `quantserve run --ctx-size`")
+@click.option("--max-num-seqs", type=int, default=None, help="as `quantserve run --max-num-seqs`")
+@click.option(
+    "--chat-template", default=None, help="a Jinja file: what the model would get with this template"
+)
+def inspect(model: str, models_file: str | None, **flags) -> None:
+    """Describe MODEL (a path, or a models.toml name): its files (format, architecture, parameters, quantization
+    per tensor class, bits per weight, size, trained context), then its plan: what `quantserve run MODEL` with the
+    same flags would do, and why (backend, conversion steps, context, KV cache, chat template, tool-call format,
+    capabilities, vision)."""
+    from quantserve.core.settings import EngineSettings
     from quantserve.formats import render_summary, summarize
+    from quantserve.llm import LLM
     from quantserve.registry import find_models_toml, load_registry, resolve
 
     try:
-        path, mmproj = Path(model), None
-        if not path.exists():
-            resolved = resolve(model, load_registry(find_models_toml(models_file)))
-            path, mmproj = resolved.path, resolved.mmproj
-        summary = summarize(path, mmproj=mmproj)
-        extra = ()
-        if summary.format == "gguf":
-            extra = (("gpu offload", [gpu_offload(summary.files[0], resolved_settings(model, models_file))]),)
-        click.echo(render_summary(summary, extra))
+        resolved = resolve(model, load_registry(find_models_toml(models_file)))
+        settings = EngineSettings.from_options(**{k: v for k, v in flags.items() if v is not None})
+        plan = LLM.plan_for(resolved, settings)
+        click.echo(render_summary(summarize(plan.spec), tuple(plan.rows())))
     except QuantserveError as exc:
         fail(exc)
-
-
-def resolved_settings(model: str, models_file: str | None):
-    """What `quantserve run MODEL` would start with, flags aside: the defaults and the model's models.toml
-    entry, if it has one."""
-    from quantserve.core.settings import EngineSettings
-    from quantserve.registry import find_models_toml, load_registry
-
-    settings = EngineSettings()
-    if not Path(model).exists():
-        found = load_registry(find_models_toml(models_file)).lookup(model)
-        if found is not None:
-            settings = settings.for_model(found[1])
-    return settings
-
-
-def gpu_offload(path: Path, settings) -> str:
-    """What llama.cpp's `--n-gpu-layers auto` would do with this GGUF here (backends/llamacpp/offload.py)."""
-    from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
-
-    return plan_offload(Path(path), settings, gpu_device()).describe()
 
 
 @click.group()

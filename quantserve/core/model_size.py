@@ -1,12 +1,13 @@
 """How big a model's KV cache will be, from its metadata alone (a GGUF's or an HF config's), before anything is
-loaded: read by the router's memory estimate (server/memory.py) and by llama.cpp's GPU layer fitting
-(backends/llamacpp/offload.py)."""
+loaded: the KV part of a ModelPlan (core/plan.py), which the runners allocate and llama.cpp's GPU layer fitting
+(backends/llamacpp/offload.py) reads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from quantserve.core.plan import KVPlan
 from quantserve.core.settings import EngineSettings
 from quantserve.formats import ModelSpec, read_gguf_info
 
@@ -67,20 +68,37 @@ def n_ctx(shape: Shape | None, settings: EngineSettings) -> int:
     return settings.n_ctx(shape.n_ctx_train if shape is not None else None)
 
 
-def kv_cells(shape: Shape | None, settings: EngineSettings, backend: str) -> int:
-    """KV cells the backend allocates: llama.cpp's shared pool, else --kv-size or n_ctx per sequence."""
+def llamacpp_kv(shape: Shape, settings: EngineSettings, *, n_ctx_cap: int | None = None) -> KVPlan:
+    """llama.cpp's cache: per-sequence streams of n_ctx cells each, or one shared pool (kv_unified) of --kv-size
+    cells (default 2 x n_ctx, at least n_ctx), at the cache types it is given. `n_ctx_cap`: a reranker reads no
+    further than its learned positions."""
     ctx = n_ctx(shape, settings)
-    if backend == "llamacpp" and settings.llamacpp.kv_unified:
-        return max(settings.kv_size or 2 * ctx, ctx)
-    return settings.kv_size or ctx * settings.max_num_seqs
-
-
-def kv_bytes(shape: Shape, settings: EngineSettings, backend: str) -> int:
-    """The whole KV cache in bytes: K and V over every layer's heads, at the cache types llama.cpp is given
-    (the torch backend keeps half precision)."""
-    if backend == "llamacpp":
-        k, v = settings.llamacpp.cache_type_k, settings.llamacpp.cache_type_v
-        per_elem = (KV_TYPE_BYTES.get(k.lower(), 2) + KV_TYPE_BYTES.get(v.lower(), 2)) / 2
+    if n_ctx_cap is not None:
+        ctx = min(ctx, n_ctx_cap)
+    if settings.llamacpp.kv_unified:
+        cells = max(settings.kv_size or 2 * ctx, ctx)
     else:
-        per_elem = 2.0
-    return int(2 * shape.kv_heads * shape.head_dim * kv_cells(shape, settings, backend) * per_elem)
+        cells = ctx * settings.max_num_seqs
+    k, v = settings.llamacpp.cache_type_k, settings.llamacpp.cache_type_v
+    per_elem = (KV_TYPE_BYTES.get(k.lower(), 2) + KV_TYPE_BYTES.get(v.lower(), 2)) / 2
+    return KVPlan(ctx, cells, int(2 * shape.kv_heads * shape.head_dim * per_elem), "slots")
+
+
+def torch_kv(shape: Shape, settings: EngineSettings, *, elem_bytes: int, fill_gpu: bool) -> KVPlan:
+    """The torch backend's paged cache: --kv-size tokens, else (`fill_gpu`: on CUDA with kv_fill_gpu) what the
+    GPU's free memory holds, measured at load, else room for max_num_seqs sequences at full context; whole
+    blocks."""
+    ctx = n_ctx(shape, settings)
+    block = settings.torch.block_size
+    if settings.kv_size:
+        cells: int | None = -(-settings.kv_size // block) * block
+    elif fill_gpu:
+        cells = None
+    else:
+        cells = -(-ctx * settings.max_num_seqs // block) * block
+    return KVPlan(ctx, cells, 2 * shape.kv_heads * shape.head_dim * elem_bytes, "paged")
+
+
+def layer_kv_bytes(shape: Shape, kv: KVPlan) -> int:
+    """One layer's share of the cache (llama.cpp's GPU layer fitting)."""
+    return (kv.bytes or 0) // max(1, shape.n_layer)

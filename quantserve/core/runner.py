@@ -136,13 +136,11 @@ class ModelInfo:
 
 
 @dataclass
-class LoadedModel:
-    """What a backend's loader hands to quantserve.llm.LLM."""
+class Loaded:
+    """What a backend's load() hands to quantserve.llm.LLM: the running model, and what it learned loading it."""
 
-    runner: Any  # a ModelRunner
+    runner: ModelRunner
     info: ModelInfo
-    chat_template: str | None  # the model's own template source, if it has one
-    template_origin: str
-    bos_token: str
+    bos_token: str  # the BOS and EOS as text, for chat templates that write them
     eos_token: str
     keep_alive: Any = None  # e.g. a temporary conversion directory, released with the model

@@ -27,6 +27,32 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
+def find_chat_template(directory: Path) -> tuple[str, Path] | None:
+    """An HF checkpoint's chat template and the file it is in: tokenizer_config.json's `chat_template`, else
+    chat_template.jinja, else chat_template.json (newer transformers save it apart). A list of named templates
+    gives the one named "default", as llama.cpp's GGUF keeps. None: the checkpoint has none.
+
+    Raises:
+        ModelFileError: one of those files is not a JSON object.
+    """
+    for name in ("tokenizer_config.json", "chat_template.jinja", "chat_template.json"):
+        path = directory / name
+        if not path.is_file():
+            continue
+        if name.endswith(".jinja"):
+            template: Any = path.read_text(encoding="utf-8")
+        else:
+            template = read_json_object(path).get("chat_template")
+        if isinstance(template, list):
+            template = next(
+                (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                None,
+            )
+        if isinstance(template, str) and template:
+            return template, path
+    return None
+
+
 def find_quant_config(
     config: dict[str, Any] | None, directory: Path, st_metadata: Mapping[str, str]
 ) -> tuple[dict[str, Any] | None, str]:

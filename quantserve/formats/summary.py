@@ -1,4 +1,5 @@
-"""summarize(path) and render_summary(): what `quantserve inspect` shows about a model, from headers only."""
+"""summarize(path) and render_summary(): what `quantserve inspect` shows about a model's files, from headers only.
+What quantserve decides to do with them (backend, template, capabilities) is the ModelPlan's (core/plan.py)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantserve.errors import ModelFileError
 from quantserve.formats.detect import detect
 from quantserve.formats.gguf import read_gguf_info
-from quantserve.formats.hf_config import is_llava, read_json_object
-from quantserve.formats.mmproj import describe_mmproj, find_mmproj, is_mmproj
 from quantserve.formats.safetensors_header import DTYPE_BITS, read_safetensors_header
 from quantserve.formats.spec import ModelSpec
 
@@ -28,14 +26,8 @@ class ModelSummary:
     bits_per_weight: float  # tensor bytes * 8 / n_params, scales and zeros included
     file_size: int  # all weight files together
     files: tuple[Path, ...]
-    context_length: int | None
-    has_chat_template: bool
-    backends: tuple[str, ...]  # "llamacpp", "torch", "llamacpp (after convert)"
-    backend_notes: tuple[str, ...]  # why each backend applies, same order
+    context_length: int | None  # the context it was trained for
     quant: dict[str, Any]  # spec.quant
-    vision: str | None = None  # a LLaVA's vision side, or what a projector file is
-    mmproj: Path | None = None  # the vision projector served with a GGUF model
-    rank_outputs: int = 0  # a reranker GGUF's classification head (GGUFInfo.rank_outputs)
 
 
 def _types_by_class(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -67,8 +59,6 @@ def _summarize_gguf(spec: ModelSpec) -> dict[str, Any]:
         "n_bytes": sum(t.n_bytes for t in tensors),
         "quant_types": _types_by_class((_gguf_class(t.name), t.type_name) for t in tensors),
         "context_length": infos[0].context_length,
-        "has_chat_template": infos[0].chat_template is not None,
-        "rank_outputs": infos[0].rank_outputs,
     }
 
 
@@ -124,87 +114,17 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
         "n_bytes": sum(t.n_bytes for t in tensors),
         "quant_types": _types_by_class(classes),
         "context_length": ctx,
-        "has_chat_template": _hf_has_chat_template(spec.directory),
     }
 
 
-def _hf_has_chat_template(directory: Path) -> bool:
-    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
-        return True
-    tok = directory / "tokenizer_config.json"
-    return bool(tok.is_file() and read_json_object(tok).get("chat_template"))
+def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
+    """Summarize a model's files (a path or an already detected spec) from their headers; tensor data is never
+    read.
 
-
-def _llava_vision(config: dict[str, Any]) -> str:
-    v = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return (
-        f"LLaVA: {v.get('model_type', 'clip_vision_model')} tower ({v.get('num_hidden_layers', '?')} blocks, "
-        f"{v.get('image_size', '?')} px images in {v.get('patch_size', '?')} px patches, features of layer "
-        f"{config.get('vision_feature_layer', -2)}), {config.get('projector_hidden_act', 'gelu')} MLP projector, "
-        f"{text.get('model_type', 'llama')} language model"
-    )
-
-
-def _vision(spec: ModelSpec, mmproj: Path | None) -> tuple[str | None, Path | None, bool]:
-    """What the model sees images with: a LLaVA's own tower, or the projector served with a GGUF; and whether
-    the file is itself a projector. Returns (description, projector file, is a projector)."""
-    if spec.format == "gguf":
-        info = read_gguf_info(spec.files[0])
-        if is_mmproj(info):
-            return f"vision projector (mmproj): {describe_mmproj(info)}", None, True
-        if mmproj is None:
-            try:
-                mmproj = find_mmproj(spec.path)
-            except ModelFileError as exc:
-                return f"unknown: {exc.message}", None, False
-        if mmproj is None:
-            return None, None, False
-        projector = read_gguf_info(mmproj)
-        if not is_mmproj(projector):
-            raise ModelFileError(
-                f"{mmproj}: not a vision projector (general.architecture {projector.get('general.architecture')!r}"
-                "); point models.toml's mmproj at the mmproj-*.gguf that `quantserve convert` wrote"
-            )
-        return f"images through {mmproj.name}: {describe_mmproj(projector)}", mmproj, False
-    return (_llava_vision(spec.config or {}) if is_llava(spec.config) else None), None, False
-
-
-def _backends(
-    spec: ModelSpec, vision: str | None, mmproj: Path | None, projector: bool
-) -> list[tuple[str, str]]:
-    """Which backends can serve the model, and why."""
-    if spec.format == "gguf":
-        if projector:
-            return [("llamacpp", "a vision projector for libmtmd, not a model: serve its LLaVA text GGUF with it "
-                     "(beside it, or as `mmproj` in models.toml)")]  # fmt: skip
-        images = f"; images through {mmproj.name} (libmtmd)" if mmproj else ""
-        return [("llamacpp", f"GGUF is llama.cpp's native format ({spec.quant['file_type']}){images}")]
-    if spec.scheme is not None:
-        return [("torch", f"{spec.scheme.summary()} linear layers")]
-    if vision:  # a LLaVA checkpoint
-        return [
-            ("torch", f"dense {spec.quant['dtype']} weights, images through the CLIP tower"),
-            ("llamacpp (after convert)", "`quantserve convert --src DIR --dst OUT/ --quant TYPE` writes the text "
-             "GGUF and its vision projector (mmproj) for libmtmd"),
-        ]  # fmt: skip
-    return [
-        ("torch", f"dense {spec.quant['dtype']} weights"),
-        ("llamacpp (after convert)", "convert to GGUF (optionally quantizing) first"),
-    ]
-
-
-def summarize(path: str | os.PathLike[str] | ModelSpec, mmproj: Path | None = None) -> ModelSummary:
-    """Summarize a model (path or an already detected spec) from its headers; tensor data is never read.
-
-    Args:
-        mmproj: a GGUF model's vision projector (models.toml's `mmproj`); by default one beside it is found.
-    Raises: whatever detect() raises for the path; ModelFileError when `mmproj` is not a projector.
+    Raises: whatever detect() raises for the path.
     """
     spec = path if isinstance(path, ModelSpec) else detect(path)
     facts = _summarize_gguf(spec) if spec.format == "gguf" else _summarize_hf(spec)
-    vision, mmproj, projector = _vision(spec, mmproj)
-    backends = _backends(spec, vision, mmproj, projector)
     n_params = facts["n_params"]
     return ModelSummary(
         path=spec.path,
@@ -217,13 +137,7 @@ def summarize(path: str | os.PathLike[str] | ModelSpec, mmproj: Path | None = No
         file_size=sum(f.stat().st_size for f in spec.files),
         files=spec.files,
         context_length=facts["context_length"],
-        has_chat_template=facts["has_chat_template"],
-        backends=tuple(name for name, _ in backends),
-        backend_notes=tuple(note for _, note in backends),
         quant=dict(spec.quant),
-        vision=vision,
-        mmproj=mmproj,
-        rank_outputs=facts.get("rank_outputs", 0),
     )
 
 
@@ -235,17 +149,9 @@ def _count(n: float, units: tuple[str, ...], step: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _rerank_row(s: ModelSummary) -> str:
-    if s.rank_outputs > 2:
-        return f"no: a classification head of {s.rank_outputs} classes, not a relevance score"
-    if s.rank_outputs:
-        return f"cross-encoder: a classification head of {s.rank_outputs} output(s), llama.cpp rank pooling (/v1/rerank)"
-    return "yes/no judge with its chat template (/v1/rerank)" if s.has_chat_template else "no"
-
-
 def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = ()) -> str:
     """An aligned 'key: value' table; multi-valued keys continue on indented lines. `extra`: rows the caller
-    adds after the summary's own (the CLI's GPU offload line)."""
+    adds after the summary's own (`inspect` adds the model's plan)."""
     rows: list[tuple[str, list[str]]] = [
         ("path", [str(s.path)]),
         ("format", [s.format]),
@@ -256,13 +162,9 @@ def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = (
             [f"{_count(s.file_size, (' B', ' KB', ' MB', ' GB', ' TB'), 1000)} in {len(s.files)} file(s)"],
         ),
         ("bits per weight", [f"{s.bits_per_weight:.2f}"]),
-        ("context length", [str(s.context_length) if s.context_length else "unknown"]),
-        ("chat template", ["yes" if s.has_chat_template else "no"]),
-        ("rerank", [_rerank_row(s)]),
+        ("trained context", [str(s.context_length) if s.context_length else "unknown"]),
         ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
-        *([("vision", [s.vision])] if s.vision else []),
-        ("backends", [f"{b} — {note}" for b, note in zip(s.backends, s.backend_notes, strict=True)]),
         *extra,
     ]
     width = max(len(k) for k, _ in rows) + 2

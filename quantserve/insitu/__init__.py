@@ -28,6 +28,11 @@ _SIDE_FILES = (
 _DTYPE_QUANT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 
+def target_type(spec: ModelSpec, quant: str | None) -> str:
+    """The GGUF type a dense checkpoint converts to: `quant`, else its own dtype, losslessly."""
+    return (quant or _DTYPE_QUANT.get(spec.quant.get("dtype", ""), "f16")).lower()
+
+
 def ensure_gguf(
     spec: ModelSpec, quant: str | None, *, cache_dir: str | None, use_cache: bool
 ) -> tuple[Path, object]:
@@ -39,7 +44,7 @@ def ensure_gguf(
     """
     from quantserve.gguf.hf_to_gguf import hf_to_gguf
 
-    quant = (quant or _DTYPE_QUANT.get(spec.quant.get("dtype", ""), "f16")).lower()
+    quant = target_type(spec, quant)
     directory = spec.path if spec.path.is_dir() else spec.path.parent
     if not use_cache:
         tmp = tempfile.TemporaryDirectory(prefix="quantserve-")

@@ -3,13 +3,11 @@ each with what is known before it loads (context length, backend, inputs, memory
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from quantserve.core import model_size
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, QuantserveError
 from quantserve.llm import LLM
@@ -21,7 +19,6 @@ from quantserve.registry import (
     parse_duration,
     resolve,
 )
-from quantserve.rerank import rerank_kind
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
 from quantserve.server.router import ModelRouter
@@ -35,81 +32,22 @@ def _names(resolved: ResolvedModel) -> frozenset[str]:
     return frozenset(n.lower() for n in (resolved.name, resolved.path.name, *resolved.entry.aliases))
 
 
-def _facts(resolved: ResolvedModel, settings: EngineSettings) -> tuple[dict, int]:
-    """What /v1/models says of a model before it is loaded, and its memory estimate in bytes; from headers and
-    configs only (nothing is loaded or converted).
-
-    Raises:
-        QuantserveError: the files are missing or malformed (the slot then answers 503 with it).
-    """
-    from quantserve.backends.select import choose_backend
-    from quantserve.formats import detect, find_mmproj, read_gguf_info
-
-    settings = settings.for_model(resolved.entry)
-    spec = detect(resolved.path)
-    backend, _ = choose_backend(spec, settings.backend, settings.quant)
-    architectures = (spec.config or {}).get("architectures") or []
-    if spec.format == "gguf":
-        vision = resolved.mmproj is not None or find_mmproj(spec.files[0]) is not None
-    else:
-        vision = any("Llava" in a for a in architectures)
-    rank_outputs = read_gguf_info(spec.files[0]).rank_outputs if spec.format == "gguf" else 0
-    ranker = rank_outputs > 0
-    if ranker:
-        chat = False
-    elif settings.chat_template:
-        chat = True
-    elif spec.format == "gguf":
-        chat = read_gguf_info(spec.files[0]).chat_template is not None
-    else:  # an HF checkpoint: a template file, or one inside tokenizer_config.json
-        folder = spec.path if spec.path.is_dir() else spec.path.parent
-        tok_config = folder / "tokenizer_config.json"
-        chat = (folder / "chat_template.jinja").is_file() or (
-            tok_config.is_file() and "chat_template" in json.loads(tok_config.read_text())
-        )
-    facts = {
-        "context_length": model_size.n_ctx(model_size.model_shape(spec), settings),
-        "backend": backend,
-        "format": spec.format,
-        "architecture": spec.architecture,
-        "input_modalities": ["text", "image"] if vision else ["text"],
-        "capabilities": (["rerank"] if rank_outputs <= 2 else [])  # a cross-encoder (quantserve.rerank)
-        if ranker
-        else [
-            "completion",
-            *(["chat"] if chat else []),
-            *(["vision"] if vision else []),
-            *(["rerank"] if chat else []),  # a chat model judges yes or no (quantserve.rerank)
-        ],
-    }
-    return facts, memory.estimate_bytes(spec, settings, backend)
-
-
 def _router_slot(name: str, registry, base: EngineSettings, keep_alive: float | None) -> Slot:
     entry = registry.entries[name]
     idle = keep_alive if entry.keep_alive is None else parse_duration(entry.keep_alive, "keep_alive")
-    # C aborts stay in a child process; a torch model on CUDA takes the KV cache it needs, not the free memory
-    settings = replace(
-        base, llamacpp=replace(base.llamacpp, probe=True), torch=replace(base.torch, kv_fill_gpu=False)
-    )
+    # a torch model on CUDA takes the KV cache it needs, not the free memory: other models share the GPU
+    settings = replace(base, torch=replace(base.torch, kv_fill_gpu=False))
 
     def setup() -> SlotInfo:
         resolved = resolve(name, registry)
-        facts, estimate = _facts(resolved, settings)
-        return SlotInfo(resolved, facts, estimate, _names(resolved))
+        return SlotInfo(resolved, LLM.plan_for(resolved, settings), _names(resolved))
 
     def preflight() -> None:
-        """A GGUF that llama.cpp will load as it is: probed now (cached), before any model unloads for it."""
-        from quantserve.backends.llamacpp.loader import projector
-        from quantserve.backends.llamacpp.probe import PROBES
-        from quantserve.formats import detect
-
-        resolved = slot.resolved
-        if slot.facts.get("backend") != "llamacpp" or slot.facts.get("format") != "gguf":
-            return  # other formats are converted first (their GGUF is probed then) or run by torch
-        gguf = detect(resolved.path).files[0]
-        given = settings.llamacpp.mmproj or (str(resolved.mmproj) if resolved.mmproj is not None else None)
-        PROBES.check(gguf, projector(gguf, given))
+        """The model planned again (its files may have changed since startup), and the plan's checks run (a GGUF
+        that llama.cpp loads as it is gets its probe, cached), before any model unloads for it."""
+        assert slot.resolved is not None
+        slot.set_plan(LLM.plan_for(slot.resolved, settings))
+        LLM.check(slot.plan)
 
     slot = Slot(name, None, settings, entry.pin, idle, setup=setup, preflight=preflight)
     slot.names = frozenset(n.lower() for n in (name, *entry.aliases))
@@ -179,15 +117,8 @@ def build_router(
 
 
 def model_card(llm: LLM) -> dict:
-    """/v1/models' entry for a loaded model: OpenAI's fields, plus what it is and can do."""
-    info = llm.info
-    chat = llm.chat_template is not None and not llm.rank_outputs  # a reranker refuses chats, template or not
-    capabilities = [] if llm.rank_outputs else ["completion"]
-    capabilities += ["chat"] if chat else []
-    capabilities += ["tools"] if chat and llm.tool_format else []
-    capabilities += ["vision"] if llm.takes_images else []
-    capabilities += ["embeddings"] if llm.can_embed else []
-    capabilities += ["rerank"] if rerank_kind(llm) else []
+    """/v1/models' entry for a loaded model: OpenAI's fields, plus what it is and can do (its plan's)."""
+    info, plan = llm.info, llm.plan
     return {
         "id": llm.name,
         "object": "model",
@@ -195,15 +126,15 @@ def model_card(llm: LLM) -> dict:
         "owned_by": "quantserve",
         "context_length": llm.n_ctx,
         "max_model_len": llm.n_ctx,
-        "capabilities": capabilities,
+        "capabilities": list(plan.capabilities),
         "meta": {
             "architecture": info.architecture,
             "n_params": info.n_params,
             "format": info.format,
             "backend": info.backend,
             "has_chat_template": llm.chat_template is not None,
-            "tool_format": llm.tool_format,  # how its template writes tool calls (hermes, llama3, …)
-            "input_modalities": ["text", "image"] if llm.takes_images else ["text"],
+            "tool_format": plan.tool_format,  # how its template writes tool calls (hermes, llama3, …)
+            "input_modalities": ["text", "image"] if "vision" in plan.capabilities else ["text"],
         },
     }
 

@@ -16,9 +16,8 @@ from fastapi.responses import StreamingResponse
 from quantserve.chat import ChatPrompt, Event, Reply, ReplyAssembler, TextDelta
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SequenceOutput, TokenLogprob
-from quantserve.engine.async_engine import RequestStream
 from quantserve.errors import QuantserveError
-from quantserve.llm import LLM
+from quantserve.llm import LLM, RequestStream
 
 log = logging.getLogger("quantserve.server")
 

@@ -69,23 +69,6 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await done
 
 
-def _facts_of(llm: LLM) -> dict:
-    """Slot.facts of a loaded model (a single-model server's slot has none until it unloads)."""
-    images = llm.takes_images
-    return {
-        "context_length": llm.n_ctx,
-        "backend": llm.info.backend,
-        "format": llm.info.format,
-        "architecture": llm.info.architecture,
-        "input_modalities": ["text", "image"] if images else ["text"],
-        "capabilities": [
-            "completion",
-            *(["chat"] if llm.chat_template else []),
-            *(["vision"] if images else []),
-        ],
-    }
-
-
 class ModelRouter:
     def __init__(
         self,
@@ -237,7 +220,7 @@ class ModelRouter:
                     await self._make_room(slot)
                     t = time.perf_counter()
                     log.info("loading model %s", slot.name)
-                    llm = await _in_thread(LLM.load, slot.resolved, slot.settings)
+                    llm = await _in_thread(LLM.load, slot.resolved, slot.settings, slot.plan)
                 except QuantserveError as exc:
                     self._failed(slot, exc)
                     raise
@@ -341,8 +324,8 @@ class ModelRouter:
                 )
             await slot.idle.wait()
             llm, slot.llm = slot.llm, None
-            if self.single and not slot.facts:  # a router-mode slot has its facts from before it loaded
-                slot.facts = _facts_of(llm)  # /v1/models still says what it is
+            if self.single and slot.plan is None:  # a router-mode slot has its plan from before it loaded
+                slot.set_plan(llm.plan)  # /v1/models still says what it is
             t = time.perf_counter()
             await _in_thread(llm.close)
             del llm

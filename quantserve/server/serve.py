@@ -22,7 +22,7 @@ def serve(settings: ServerSettings) -> int:
         QuantserveError: the model cannot be found or its file is invalid (checked before listening).
     """
     from quantserve.errors import ConfigError
-    from quantserve.formats import detect, read_gguf_info
+    from quantserve.llm import LLM
     from quantserve.server.app import create_app
 
     if settings.router_mode:
@@ -47,11 +47,16 @@ def serve(settings: ServerSettings) -> int:
                 param="models",
             )
         resolved, _ = settings.resolve_model()
-        spec = detect(resolved.path)
-        if spec.format == "gguf":
-            for part in spec.files:
-                read_gguf_info(part)  # refuses malformed files before llama.cpp ever opens them
-        log.info("quantserve %s: model %s -> %s (%s)", __version__, resolved.name, resolved.path, spec.format)
+        # the plan validates the files (before llama.cpp ever opens them) and the settings, before listening
+        plan = LLM.plan_for(resolved, settings.engine_settings())
+        log.info(
+            "quantserve %s: model %s -> %s (%s, backend %s)",
+            __version__,
+            resolved.name,
+            resolved.path,
+            plan.spec.format,
+            plan.backend,
+        )
 
     exit_code = 0
     server: uvicorn.Server | None = None

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from quantserve.core.plan import ModelPlan
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import QuantserveError
 from quantserve.llm import LLM
@@ -21,9 +22,21 @@ class SlotInfo:
     """What a router-mode entry resolves to before it loads (quantserve.server.catalog)."""
 
     resolved: ResolvedModel
-    facts: dict  # context_length, backend, format, architecture, input_modalities, capabilities
-    estimate: int  # bytes: weights plus KV
+    plan: ModelPlan
     names: frozenset[str]
+
+
+def plan_facts(plan: ModelPlan) -> dict:
+    """What /v1/models says of a model that is not loaded: its plan's context, backend and capabilities."""
+    return {
+        "context_length": plan.n_ctx or None,
+        "backend": plan.backend,
+        "format": plan.spec.format,
+        "architecture": plan.architecture,
+        "tool_format": plan.tool_format,
+        "input_modalities": ["text", "image"] if "vision" in plan.capabilities else ["text"],
+        "capabilities": list(plan.capabilities),
+    }
 
 
 @dataclass(eq=False)
@@ -35,9 +48,9 @@ class Slot:
     settings: EngineSettings
     pinned: bool = False
     keep_alive: float | None = None  # idle seconds before it unloads; None: never
-    # known before loading: context_length, backend, format, input_modalities, capabilities
-    facts: dict = field(default_factory=dict)
-    estimate: int = 0  # bytes: weights plus KV (quantserve.server.memory)
+    plan: ModelPlan | None = None  # how it will load (router mode: planned at startup, planned again at load)
+    facts: dict = field(default_factory=dict)  # plan_facts(plan)
+    estimate: int = 0  # bytes: weights plus KV (ModelPlan.memory_bytes)
     names: frozenset[str] = frozenset()  # lower-cased names a request may use: name, aliases, file name
     status: Status = "unloaded"
     llm: LLM | None = None
@@ -54,13 +67,16 @@ class Slot:
     # router mode: resolves the entry and reads its facts; run again at load time while `resolved` is None, so a
     # file put right after startup is found (and a hub model is downloaded on its first request, not at startup)
     setup: Callable[[], SlotInfo] | None = None
-    # router mode: checks the files before any model unloads to make room (the GGUF probe), so a broken model
-    # never costs a working one its place
+    # router mode: plans the model again and runs the plan's checks (the GGUF probe) before any model unloads to
+    # make room, so a broken model never costs a working one its place
     preflight: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
 
     def resolve(self, info: SlotInfo) -> None:
-        self.resolved, self.facts, self.estimate = info.resolved, info.facts, info.estimate
-        self.names = info.names
+        self.resolved, self.names = info.resolved, info.names
+        self.set_plan(info.plan)
+
+    def set_plan(self, plan: ModelPlan) -> None:
+        self.plan, self.facts, self.estimate = plan, plan_facts(plan), plan.memory_bytes

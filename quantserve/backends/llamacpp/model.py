@@ -18,11 +18,14 @@ from quantserve.backends.llamacpp.library import init_backend
 from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
+from quantserve.core.model_size import gguf_shape, llamacpp_kv
+from quantserve.core.plan import KVPlan
 from quantserve.core.runner import CopyKV, DropKV, KVCacheFull, KVSpec, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, ModelFileError
+from quantserve.formats import read_gguf_info
 from quantserve.structured import Vocabulary
 
 log = logging.getLogger("quantserve.llamacpp")
@@ -41,10 +44,12 @@ class LlamaCppRunner:
         self,
         path: Path,
         settings: EngineSettings,
-        n_ctx_train: int | None = None,
+        kv: KVPlan | None = None,
+        *,
         mmproj: Path | None = None,
         rank_outputs: int = 0,
     ):
+        """`kv`: the plan's cache (ModelPlan.kv); by default, what the GGUF's header and `settings` give."""
         init_backend()
         self.path = Path(path)
         self.settings = settings
@@ -71,23 +76,18 @@ class LlamaCppRunner:
             )
         self.vocab = lc.llama_model_get_vocab(self.model)
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        train = n_ctx_train or lc.llama_model_n_ctx_train(self.model)
-        self.n_ctx = settings.n_ctx(train)
-        if rank_outputs and self.n_ctx > train:
-            # an encoder's learned positions end there: a longer input would make llama.cpp abort
-            log.info(
-                "a reranker reads at most %d tokens (its positions); --ctx-size %d is cut to that",
-                train,
-                self.n_ctx,
+        if kv is None:
+            info = read_gguf_info(self.path)
+            kv = llamacpp_kv(
+                gguf_shape(info.metadata), settings, n_ctx_cap=info.context_length if rank_outputs else None
             )
-            self.n_ctx = train
-        # Per-sequence KV (llama.cpp "streams") keeps every sequence's cells contiguous and its own, so a greedy
-        # request gives the same tokens alone or batched (measured: identical; with the unified pool, summation
-        # order over interleaved cells makes tokens drift after a few dozen). It costs n_ctx cells per sequence.
-        if own.kv_unified:
-            n_cells = max(settings.kv_size or 2 * self.n_ctx, self.n_ctx)
-        else:
-            n_cells = self.n_ctx * settings.max_num_seqs
+        # A reranker's context stops at its learned positions (core/model_size.llamacpp_kv), where a longer input
+        # would make llama.cpp abort. Per-sequence KV (llama.cpp "streams") keeps every sequence's cells
+        # contiguous and its own, so a greedy request gives the same tokens alone or batched (measured: identical;
+        # with the unified pool, summation order over interleaved cells makes tokens drift after a few dozen).
+        # It costs n_ctx cells per sequence.
+        self.n_ctx = kv.n_ctx
+        n_cells = kv.cells
         threads = settings.threads or max(1, (os.cpu_count() or 2))
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_cells

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from quantserve.core.model_size import gguf_shape, kv_bytes
+from quantserve.core.model_size import gguf_shape, layer_kv_bytes, llamacpp_kv
 from quantserve.core.settings import EngineSettings
 from quantserve.formats import read_gguf_info
 
@@ -143,7 +143,7 @@ def plan_offload(path: Path, settings: EngineSettings, device: Device | None) ->
             output += t.n_bytes
     if output == 0:  # tied embeddings: the output layer reads token_embd, which llama.cpp then copies over
         output = next((t.n_bytes for t in info.tensors if t.name == "token_embd.weight"), 0)
-    kv_layer = kv_bytes(shape, settings, "llamacpp") // max(1, shape.n_layer)
+    kv_layer = layer_kv_bytes(shape, llamacpp_kv(shape, settings))
     vocab = len(info.metadata.get("tokenizer.ggml.tokens") or []) or 32000
     arch = info.metadata.get("general.architecture")
     n_embd = int(info.metadata.get(f"{arch}.embedding_length") or 4096)

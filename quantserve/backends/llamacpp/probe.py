@@ -195,13 +195,7 @@ def _child(argv: list[str]) -> int:
     try:
         info = read_gguf_info(args.path)
         settings = EngineSettings(ctx_size=PROBE_CTX, n_batch=PROBE_CTX, max_num_seqs=1, threads=1)
-        runner = LlamaCppRunner(
-            args.path,
-            settings,
-            n_ctx_train=info.context_length,
-            mmproj=args.mmproj,
-            rank_outputs=info.rank_outputs,
-        )
+        runner = LlamaCppRunner(args.path, settings, mmproj=args.mmproj, rank_outputs=info.rank_outputs)
         try:
             if runner.rank_outputs:  # a reranker: one pair (its first PROBE_CTX tokens) through its head
                 (pair,) = runner.pair_inputs(SAMPLE_TEXT, [SAMPLE_TEXT])

@@ -17,18 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.backends.torch.archs import ARCHITECTURES
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import StepBatch
 from quantserve.errors import UnsupportedFormatError
 from quantserve.kernels import fused
 from quantserve.kernels.paged_attention import paged_decode_attention
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from quantserve.backends.torch.graphs import DecodeGraphs
 from quantserve.backends.torch.model import KVCache, Transformer
 from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.backends.torch.step import prepare_step
+from quantserve.core.model_size import Shape, torch_kv
+from quantserve.core.plan import KVPlan
 from quantserve.core.runner import DropKV, KVSpec, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence
@@ -38,28 +40,22 @@ def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
     )
 
 
-def size_kv_cache(
-    model: Transformer, settings: EngineSettings, n_ctx: int, dtype: torch.dtype, device: torch.device
-) -> int:
-    """Number of KV blocks: --kv-size, else what fits in free GPU memory (vLLM's gpu_memory_utilization; unless
-    kv_fill_gpu is off), else room for every sequence at full context."""
+def fill_gpu_blocks(model: Transformer, settings: EngineSettings, n_ctx: int, dtype: torch.dtype) -> int:
+    """KV blocks that fit in the GPU's free memory (vLLM's gpu_memory_utilization), measured now that the
+    weights are loaded: what a plan with `kv.cells` None asks for."""
     own = settings.torch
     per_block = kv_bytes_per_token(model, dtype) * own.block_size
-    if settings.kv_size:
-        return -(-settings.kv_size // own.block_size)
-    if device.type == "cuda" and own.kv_fill_gpu:
-        torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - own.gpu_memory_utilization) * total - 512 * 2**20  # activations
-        blocks = int(budget // per_block) - 1  # the runner adds a scratch block
-        if blocks < -(-n_ctx // own.block_size):
-            raise ConfigError(
-                f"only {max(budget, 0) / 2**30:.1f} GiB of GPU memory is left for the KV cache, less than one "
-                f"{n_ctx}-token sequence needs; lower --ctx-size or use a smaller model",
-                param="kv_size",
-            )
-        return blocks
-    return -(-n_ctx * settings.max_num_seqs // own.block_size)
+    torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
+    free, total = torch.cuda.mem_get_info()
+    budget = free - (1 - own.gpu_memory_utilization) * total - 512 * 2**20  # activations
+    blocks = int(budget // per_block) - 1  # the runner adds a scratch block
+    if blocks < -(-n_ctx // own.block_size):
+        raise ConfigError(
+            f"only {max(budget, 0) / 2**30:.1f} GiB of GPU memory is left for the KV cache, less than one "
+            f"{n_ctx}-token sequence needs; lower --ctx-size or use a smaller model",
+            param="kv_size",
+        )
+    return blocks
 
 
 class TorchRunner:
@@ -74,7 +70,9 @@ class TorchRunner:
         device: torch.device,
         vision: LlavaVision | None = None,
         image_config: ImageProcessorConfig | None = None,
+        kv: KVPlan | None = None,
     ):
+        """`kv`: the plan's cache (ModelPlan.kv); by default, what the model's config and `settings` give."""
         self.model = model
         self.vision_model, self.image_config = vision, image_config
         self.vision = (
@@ -90,11 +88,20 @@ class TorchRunner:
         self.tokenizer = tokenizer
         self.settings = settings
         self.device = device
-        self.n_ctx = settings.n_ctx(model.args.max_position_embeddings)
         self.n_vocab = model.args.vocab_size
         dtype = model.model.embed_tokens.weight.dtype
-        num_blocks = size_kv_cache(model, settings, self.n_ctx, dtype, device)
+        if kv is None:
+            a = model.args
+            shape = Shape(a.num_hidden_layers, a.num_key_value_heads * a.num_hidden_layers, a.head_dim,
+                          a.max_position_embeddings)  # fmt: skip
+            fill = device.type == "cuda" and settings.torch.kv_fill_gpu
+            kv = torch_kv(shape, settings, elem_bytes=dtype.itemsize, fill_gpu=fill)
+        self.n_ctx = kv.n_ctx
         self.block_size = settings.torch.block_size
+        if kv.cells is None:
+            num_blocks = fill_gpu_blocks(model, settings, self.n_ctx, dtype)
+        else:
+            num_blocks = kv.cells // self.block_size
         self.n_kv_cells = num_blocks * self.block_size
         self.kv_spec = KVSpec("paged", cells=self.n_kv_cells, block_size=self.block_size)
         if self.n_kv_cells < self.n_ctx:

@@ -19,6 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
+from quantserve.formats.hf_config import find_chat_template
 
 # llama-vocab.cpp load(): tokens that end generation, by text (its EOT/EOM candidates are all in this list)
 EOG_TEXTS = frozenset({
@@ -157,6 +158,7 @@ class HFTokenizer:
                 "SentencePiece-style with byte fallback); serve this model with --backend llamacpp"
             )
         tc = _read_json(directory / "tokenizer_config.json")
+        template = find_chat_template(directory)
         config = _read_json(directory / "config.json")
         gen = _read_json(directory / "generation_config.json")
         byte_level = "ByteLevel" in json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
@@ -201,7 +203,7 @@ class HFTokenizer:
         pieces = _pieces(texts, set(added), control, model, byte_level)
         return cls(
             tok, literal, n_vocab, pieces, tuple(texts), frozenset(eog), bos, eos, add_bos, add_eos,
-            _chat_template(tc, directory), frozenset(control),
+            template[0] if template else None, frozenset(control),
         )  # fmt: skip
 
     # ---- the ModelRunner side --------------------------------------------------------------------
@@ -288,18 +290,3 @@ def _adds_special(post: Any, texts: list[str], bos: int, eos: int) -> tuple[bool
             add_bos = bos >= 0 and first == texts[bos] if first else add_bos
             add_eos = eos >= 0 and last == texts[eos] if last else add_eos
     return add_bos, add_eos
-
-
-def _chat_template(tc: dict[str, Any], directory: Path) -> str | None:
-    """tokenizer_config.json's chat_template, else chat_template.jinja / chat_template.json (newer transformers
-    save it apart). A list of named templates gives the one named "default", as llama.cpp's GGUF keeps."""
-    template = tc.get("chat_template")
-    if template is None and (directory / "chat_template.jinja").is_file():
-        template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    if template is None:
-        template = _read_json(directory / "chat_template.json").get("chat_template")
-    if isinstance(template, list):
-        template = next(
-            (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None
-        )
-    return template if isinstance(template, str) and template else None

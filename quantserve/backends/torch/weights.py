@@ -18,14 +18,13 @@ from torch import nn
 from tqdm import tqdm
 
 from quantserve.backends.torch import llava
+from quantserve.backends.torch.archs import LOAD_QUANTS
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import ModelSpec
 from quantserve.formats.hf_config import is_llava
 
 log = logging.getLogger("quantserve.torch")
-
-LOAD_QUANTS = ("int4",)  # --quant values the torch backend applies at load (RTN, 4-bit, symmetric)
 
 
 def _empty_model(

@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse
 from quantserve import __version__
 from quantserve.errors import InvalidRequestError, ModelNotFoundError, QuantserveError
 from quantserve.insitu.cache import QuantCache
-from quantserve.rerank import rerank_kind
 from quantserve.server.ollama.protocol import CopyBody, NameBody, ndjson, tagged, untagged
 from quantserve.server.slot import Slot
 from quantserve.server.state import ServerState
@@ -53,9 +52,6 @@ def _file_facts(path: str, mtime: float) -> dict[str, Any]:
             "parameter_size": _params_text(s.n_params),
             "quantization_level": quant,
         },
-        "has_chat_template": s.has_chat_template,
-        "context_length": s.context_length,
-        "vision": s.vision is not None and s.mmproj is not None or (s.vision or "").startswith("LLaVA"),
     }
 
 
@@ -76,24 +72,18 @@ def _facts(slot: Slot) -> dict[str, Any] | None:
         return None
 
 
-def _capabilities(slot: Slot, facts: dict[str, Any] | None) -> list[str]:
-    """Ollama's names for what the model can do: from the loaded model, else from what is known before loading
-    (a chat template means tools: every template gets a tool-call format)."""
-    llm = slot.llm
-    if llm is not None:
-        caps = [] if llm.rank_outputs else ["completion"]
-        caps += (
-            ["tools"] if llm.chat_template is not None and llm.tool_format and not llm.rank_outputs else []
-        )
-        caps += ["vision"] if llm.takes_images else []
-        caps += ["embedding"] if llm.can_embed else []
-        caps += ["rerank"] if rerank_kind(llm) else []  # /v1/rerank (Ollama has no name for it yet)
-        return caps
-    known = slot.facts.get("capabilities", [])
-    if known and "completion" not in known:  # a reranker
-        return [c for c in known if c == "rerank"]
-    caps = ["completion", *(["tools"] if "chat" in known else [])]
-    return caps + (["vision"] if "vision" in known or (facts or {}).get("vision") else [])
+# Ollama's names for the plan's capabilities (quantserve.core.plan); chat is not one of them. It has no name for
+# rerank yet, so ours is kept for /v1/rerank.
+_OLLAMA_CAPABILITIES = {"completion": "completion", "tools": "tools", "vision": "vision",
+                        "embeddings": "embedding", "rerank": "rerank", "reasoning": "thinking"}  # fmt: skip
+
+
+def _capabilities(slot: Slot) -> list[str]:
+    """What the model can do, in Ollama's names, from its plan (the loaded model's, else the slot's)."""
+    plan = slot.llm.plan if slot.llm is not None else slot.plan
+    if plan is None:  # not planned yet: a single model still loading, a hub entry not downloaded
+        return ["completion"]
+    return [_OLLAMA_CAPABILITIES[c] for c in plan.capabilities if c in _OLLAMA_CAPABILITIES]
 
 
 def _entry(slot: Slot, facts: dict[str, Any] | None) -> dict[str, Any]:
@@ -167,7 +157,7 @@ async def show(body: NameBody, request: Request):
         "template": template,
         "details": (facts or {}).get("details", {}),
         "model_info": info,
-        "capabilities": _capabilities(slot, facts),
+        "capabilities": _capabilities(slot),
     }
     if facts:
         out["modified_at"] = facts["modified_at"]

@@ -1,0 +1,101 @@
+"""The facts about a model that both backends' plans share, each computed here and nowhere else: where its chat
+template is, its tool-call format, what it can do, and how many bytes its weights take in memory. Headers and
+configs only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantserve.chat import ChatTemplate, tool_format
+from quantserve.core.plan import CAPABILITIES, TemplateSource
+from quantserve.core.settings import EngineSettings
+from quantserve.errors import ConfigError
+from quantserve.formats import ModelSpec, read_gguf_info
+from quantserve.formats.hf_config import find_chat_template
+
+_SOURCE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "float32": 32, "float16": 16, "bfloat16": 16}
+
+
+def chat_template(spec: ModelSpec, settings: EngineSettings) -> TemplateSource | None:
+    """--chat-template (or models.toml's chat_template), else the GGUF's tokenizer.chat_template, else an HF
+    checkpoint's (formats.hf_config.find_chat_template).
+
+    Raises:
+        ConfigError: the --chat-template file cannot be read.
+    """
+    if settings.chat_template:
+        path = Path(settings.chat_template).expanduser()
+        try:
+            return TemplateSource(path.read_text(encoding="utf-8"), f"--chat-template {path}")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(
+                f"cannot read --chat-template file {path}: {exc}; give a Jinja template file",
+                param="chat_template",
+            ) from None
+    if spec.format == "gguf":
+        text = read_gguf_info(spec.files[0]).chat_template
+        return TemplateSource(text, f"tokenizer.chat_template in {spec.files[0].name}") if text else None
+    found = find_chat_template(spec.directory)
+    return TemplateSource(found[0], str(found[1])) if found else None
+
+
+def tool_format_name(template: TemplateSource | None) -> str | None:
+    """The template's tool-call format, as quantserve.chat reads it from probe renders.
+
+    Raises:
+        ConfigError: the template does not parse.
+    """
+    if template is None:
+        return None
+    return tool_format(ChatTemplate(template.text, origin=template.origin)).name
+
+
+def capabilities(
+    *, template: TemplateSource | None, vision: bool, embeds: bool, rank_outputs: int
+) -> tuple[str, ...]:
+    """What the model can be asked, in CAPABILITIES' order. A reranker (a classification head) only ranks, and
+    only where its head gives a relevance (one or two outputs); a chat template gives chats, tools in its format,
+    and yes/no reranking (quantserve.rerank)."""
+    if rank_outputs:
+        have = {"rerank"} if rank_outputs <= 2 else set()
+    else:
+        chat = template is not None
+        have = {"completion"} | ({"chat", "tools", "rerank"} if chat else set())
+        have |= {"vision"} if vision else set()
+        have |= {"embeddings"} if embeds else set()
+    return tuple(c for c in CAPABILITIES if c in have)
+
+
+def _target_bits(quant: str | None) -> float | None:
+    """Bits per weight of what a dense checkpoint becomes at load; None: it is served as it is."""
+    if not quant:
+        return None
+    if quant.lower() == "int4":  # the torch backend's in-situ W4A16, group 128, plus its scales
+        return 4.25
+    from gguf import GGMLQuantizationType as T
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from quantserve.gguf.quant_types import parse_quant
+
+    try:
+        target = parse_quant(quant)
+    except ConfigError:
+        return None  # the load itself says what is wrong with it
+    main = target.direct
+    if main is None and target.name[2:4] == "_k":  # a k-quant mix: its main type (q4_k_m -> Q4_K)
+        main = T[target.name[:4].upper()]
+    if main is None:
+        return None
+    block, size = GGML_QUANT_SIZES[main]
+    return 8 * size / block
+
+
+def weight_bytes(spec: ModelSpec, quant: str | None) -> int:
+    """The weights' bytes once loaded: the files' sizes, scaled to the load-time quantization of a dense
+    checkpoint (the tokenizer and such are left out)."""
+    weights = sum(Path(f).stat().st_size for f in spec.files)
+    bits = _target_bits(quant)
+    source = _SOURCE_BITS.get(str(spec.quant.get("dtype", "")))
+    if bits is not None and source is not None:
+        weights = int(weights * bits / source)
+    return weights

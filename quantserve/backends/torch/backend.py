@@ -1,0 +1,139 @@
+"""The torch backend: its plan for an HF checkpoint (dense, GPTQ, AWQ, compressed-tensors, Marlin) and the load
+that carries it out: device and dtype, weights, the KV cache the plan sized."""
+
+from __future__ import annotations
+
+import logging
+
+from quantserve.backends import facts
+from quantserve.core.model_size import model_shape, torch_kv
+from quantserve.core.plan import ModelPlan
+from quantserve.core.runner import Loaded, ModelInfo
+from quantserve.core.settings import EngineSettings
+from quantserve.errors import BackendUnavailableError, require_torch
+from quantserve.formats import ModelSpec
+from quantserve.formats.hf_config import is_llava
+
+log = logging.getLogger("quantserve.torch")
+
+
+def pick_device_dtype(config: dict):
+    """CUDA in the checkpoint's half type (bf16 unless it says fp16); otherwise CPU in fp32 (CPU matmuls in bf16
+    are slower here and less exact). Returns (torch.device, torch.dtype)."""
+    import torch
+
+    if torch.cuda.is_available():
+        half = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        return torch.device("cuda"), torch.float16 if half == "float16" else torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+class TorchBackend:
+    """Our own model on Marlin-style W4A16 kernels, paged KV cache and CUDA graphs; CUDA, or the CPU."""
+
+    name = "torch"
+
+    def plan(self, spec: ModelSpec, settings: EngineSettings, reason: str) -> ModelPlan:
+        """What load() will do with `spec`, from its config and headers.
+
+        Raises:
+            BackendUnavailableError: a GGUF, or no torch installed.
+            ConfigError: a bad --chat-template file.
+        """
+        require_torch("the torch backend")
+        if spec.format == "gguf":
+            raise BackendUnavailableError(
+                f"{spec.path} is GGUF; the torch backend reads HF checkpoints (dense, GPTQ, AWQ, "
+                "compressed-tensors, Marlin). Serve it with --backend llamacpp, or convert it with `quantserve "
+                f"convert --src {spec.path} --dst DIR`"
+            )
+        quant = settings.quant
+        device, dtype = pick_device_dtype(spec.config or {})
+        where = f"on {device.type} in {str(dtype).removeprefix('torch.')}"
+        if spec.scheme is not None:
+            weights = f"read the {spec.scheme.summary()} weights and repack them for the W4A16 kernels"
+        elif quant:
+            weights = f"read the dense {spec.quant.get('dtype', '?')} weights and quantize them to {quant} (RTN W4A16)"
+        else:
+            weights = f"read the dense {spec.quant.get('dtype', '?')} weights"
+        llava = is_llava(spec.config)
+        steps = [f"{weights}, {where}"]
+        if llava:
+            steps.append("load the CLIP vision tower and its projector")
+        shape = model_shape(spec)
+        fill = device.type == "cuda" and settings.torch.kv_fill_gpu
+        kv = (
+            torch_kv(shape, settings, elem_bytes=dtype.itemsize, fill_gpu=fill) if shape is not None else None
+        )
+        if fill and not settings.kv_size:
+            steps.append(
+                f"size the KV cache to {settings.torch.gpu_memory_utilization:.0%} of the GPU's memory, less what "
+                "the weights take"
+            )
+        template = facts.chat_template(spec, settings)
+        return ModelPlan(
+            spec=spec,
+            settings=settings,
+            architecture=spec.architecture,
+            backend=self.name,
+            reason=reason,
+            steps=tuple(steps),
+            kv=kv,
+            weight_bytes=facts.weight_bytes(spec, quant),
+            template=template,
+            tool_format=facts.tool_format_name(template),
+            capabilities=facts.capabilities(template=template, vision=llava, embeds=True, rank_outputs=0),
+            vision=_llava_vision(spec.config or {}) if llava else None,
+        )
+
+    def check(self, plan: ModelPlan) -> None:
+        """Nothing to check before memory is spent: the torch backend runs no C code that can abort."""
+
+    def load(self, plan: ModelPlan) -> Loaded:
+        import torch
+
+        from quantserve.backends.torch.fuse import fuse_projections
+        from quantserve.backends.torch.runner import TorchRunner
+        from quantserve.backends.torch.tokenizer import HFTokenizer
+        from quantserve.backends.torch.weights import load_model
+
+        spec, settings = plan.spec, plan.settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        image_config = None
+        if plan.vision is not None:  # its images must fit its tower: refused now, never by a request
+            from quantserve.formats.image_processor import ImageProcessorConfig, check_tower
+
+            image_config = ImageProcessorConfig.from_dir(spec.directory)
+            check_tower(image_config, (spec.config or {}).get("vision_config") or {})
+        device, dtype = pick_device_dtype(spec.config or {})
+        tokenizer = HFTokenizer.from_dir(spec.directory)
+        model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
+        fuse_projections(model)
+        vision = None
+        if image_config is not None:
+            from quantserve.backends.torch.llava import load_vision
+
+            vision = load_vision(spec, model.args.hidden_size, dtype, device)
+        runner = TorchRunner(model, tokenizer, settings, device, vision, image_config, kv=plan.kv)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_params += sum(p.numel() for p in vision.parameters()) if vision is not None else 0
+        return Loaded(
+            runner=runner,
+            info=ModelInfo(
+                architecture=model.args.arch, n_params=n_params, format=spec.format, backend=self.name
+            ),
+            bos_token=tokenizer.bos_token or "",
+            eos_token=tokenizer.eos_token or "",
+        )
+
+
+def _llava_vision(config: dict) -> str:
+    v = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return (
+        f"LLaVA: {v.get('model_type', 'clip_vision_model')} tower ({v.get('num_hidden_layers', '?')} blocks, "
+        f"{v.get('image_size', '?')} px images in {v.get('patch_size', '?')} px patches, features of layer "
+        f"{config.get('vision_feature_layer', -2)}), {config.get('projector_hidden_act', 'gelu')} MLP projector, "
+        f"{text.get('model_type', 'llama')} language model"
+    )
