@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from quantserve.backends.select import plan_model
 from quantserve.cli import main
 from quantserve.converters import hf_to_gguf, hf_to_mmproj
-from quantserve.errors import ModelFileError, ModelNotFoundError, UnsupportedFormatError
-from quantserve.backends.select import plan_model
 from quantserve.core.settings import EngineSettings
+from quantserve.errors import ModelFileError, ModelNotFoundError, UnsupportedFormatError
 from quantserve.formats import detect, find_mmproj, read_gguf_info
 from quantserve.gguf.mmproj import vision_params
 from quantserve.gguf.params import normalize_hparams
