@@ -1,8 +1,10 @@
 """A seeded mutation fuzzer over a GGUF's header and metadata: each mutant goes through quantserve's validator in
 this process and, if accepted, through the llama.cpp probe (quantserve.backends.llamacpp.probe) in a child, as the
-server would load it. A child killed by a signal is a validator hole that the probe contained.
+server would load it. A child killed by a signal is a validator hole that the probe contained. With --via load,
+each mutant is loaded by `quantserve.load()` in a child instead, the way a library user loads a file: that child
+must never die by a signal, since the plan probes every GGUF before the load.
 
-    nice -n 19 .venv/bin/python bench/gguf_fuzz.py [--n 200] [--seed 7] [--cost] \
+    nice -n 19 .venv/bin/python bench/gguf_fuzz.py [--n 200] [--seed 7] [--cost] [--via probe|load] \
         [--out bench/results/gguf-fuzz-2026-11-24.md]
 
 Writes the record to --out (markdown) and the raw outcomes beside it (.json). --cost adds what a probe costs:
@@ -231,7 +233,7 @@ def mutate(
     return at + 8, new, f"merge {i}: {old!r} -> {new!r}"
 
 
-def fuzz(src: Path, n: int, seed: int) -> dict:
+def fuzz(src: Path, n: int, seed: int, via: str = "probe") -> dict:
     info = read_gguf_info(src)
     header = src.read_bytes()[: info.data_offset]
     lay = layout(header)
@@ -250,7 +252,7 @@ def fuzz(src: Path, n: int, seed: int) -> dict:
             f.write(new)
             f.flush()
             try:
-                outcome, line = classify(work)
+                outcome, line = classify(work) if via == "probe" else classify_load(work)
             finally:
                 f.seek(at)
                 f.write(header[at : at + len(new)])
@@ -264,6 +266,52 @@ def fuzz(src: Path, n: int, seed: int) -> dict:
     work.unlink()
     work.parent.rmdir()
     return {"counts": counts, "deaths": deaths, "bugs": bugs}
+
+
+# --via load: a new user's path, `quantserve.load()` in a child process, which plans the model (the validator) and
+# probes it in a grandchild before loading it in the child. Exit 2 on a refusal, with its message.
+LOAD_CHILD = """
+import sys
+import quantserve
+from quantserve.errors import QuantserveError
+try:
+    quantserve.load(sys.argv[1], ctx_size=64, n_batch=64, max_num_seqs=1, threads=1).close()
+except QuantserveError as exc:
+    print("error:", exc.message, file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def classify_load(path: Path) -> tuple[str, str]:
+    import subprocess
+
+    from quantserve.backends.llamacpp.probe import telling_line
+
+    try:
+        read_gguf_info(path)
+        refused = "llama.cpp refused"
+    except ModelFileError:
+        refused = "validator refused"
+    except Exception as exc:  # noqa: BLE001
+        return "validator bug", f"{type(exc).__name__}: {exc}"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", LOAD_CHILD, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired:
+        return "other death", "timed out after 300 s"
+    last = telling_line(r.stderr)
+    if r.returncode == 0:
+        return "loaded and decoded", ""
+    if r.returncode == 2:
+        return refused, last
+    if r.returncode < 0:
+        return "killed by signal", f"{signal.Signals(-r.returncode).name}: {last}"
+    return "other death", f"exit {r.returncode}: {last}"
 
 
 def classify(path: Path) -> tuple[str, str]:
@@ -314,11 +362,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--model", default="smollm2", help="a models.toml name or a GGUF path")
     ap.add_argument("--cost", action="store_true", help="also measure the probe's cost (median of 5)")
+    ap.add_argument(
+        "--via",
+        choices=("probe", "load"),
+        default="probe",
+        help="probe: the validator here, then probe_gguf; load: quantserve.load() in a child for every mutant",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/gguf-fuzz-2026-11-24.md")
     args = ap.parse_args()
     src = resolve(args.model, load_registry(find_models_toml(None))).path
     started = dt.datetime.now(dt.UTC)
-    result = fuzz(src, args.n, args.seed) if args.n else None
+    result = fuzz(src, args.n, args.seed, args.via) if args.n else None
     costs = cost(src) if args.cost else None
     write(args, src, started, result, costs)
 
@@ -327,7 +381,8 @@ def write(args, src: Path, started: dt.datetime, result: dict | None, costs: dic
     info = machine_info()
     command = shlex.join([".venv/bin/python", "bench/gguf_fuzz.py", *sys.argv[1:]])
     lines = [
-        "# GGUF mutation fuzzing: quantserve's validator, then the llama.cpp probe in a child process",
+        "# GGUF mutation fuzzing: quantserve's validator, then the llama.cpp probe in a child process"
+        + (" (through quantserve.load())" if args.via == "load" else ""),
         "",
         f"Measured {started:%Y-%m-%d %H:%M} UTC. Command: `{command}`.",
         "",
@@ -340,10 +395,19 @@ def write(args, src: Path, started: dt.datetime, result: dict | None, costs: dic
         counts, deaths, bugs = result["counts"], result["deaths"], result["bugs"]
         lines += [
             f"File: {src.name}; seed {args.seed}; {args.n} mutants, each one in-place change to the header or "
-            "metadata (kinds in turn, see the script's docstring). Each goes through `read_gguf_info` in the "
-            "fuzzing process, and if accepted through `probe_gguf`, which loads it with llama.cpp and evaluates "
-            "one token in a child process. `llama.cpp refused`: the child exited 2 with a message; `killed by "
-            "signal`: llama.cpp aborted the child, a hole in the validator that the probe contained.",
+            "metadata (kinds in turn, see the script's docstring). "
+            + (
+                "Each goes through `read_gguf_info` in the "
+                "fuzzing process, and if accepted through `probe_gguf`, which loads it with llama.cpp and evaluates "
+                "one token in a child process. `llama.cpp refused`: the child exited 2 with a message; `killed by "
+                "signal`: llama.cpp aborted the child, a hole in the validator that the probe contained."
+                if args.via == "probe"
+                else "Each is loaded by `quantserve.load(path, ctx_size=64)` in a child process, as a library user "
+                "would load it: the plan validates the header, the probe loads it in a grandchild, then the child "
+                "loads it itself. `validator refused` / `llama.cpp refused`: the child exited 2 with a message "
+                "(told apart by whether `read_gguf_info` accepts the file); `killed by signal`: the child itself "
+                "died, which the plan's probe must prevent."
+            ),
             "",
             f"The fuzzing process ran all {args.n} to the end.",
             "",

@@ -136,7 +136,7 @@ class TorchChunkScorer:
     def __init__(self, path: Path, *, n_ctx: int = 512, threads: int = 0):
         import torch
 
-        from quantserve.backends.torch.loader import pick_device_dtype
+        from quantserve.backends.torch.backend import pick_device_dtype
         from quantserve.backends.torch.tokenizer import HFTokenizer
         from quantserve.backends.torch.weights import load_model
         from quantserve.formats import detect

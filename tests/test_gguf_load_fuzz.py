@@ -141,8 +141,6 @@ def test_vocabulary_with_a_repeated_token_is_refused_before_llama_cpp_aborts(wor
     process (GGML_ASSERT id_to_token.size() == token_to_id.size()). The validator must refuse the file."""
     import struct
 
-    from quantserve.errors import ModelFileError
-
     info = read_gguf_info(work_copy)
     tokens = info.metadata["tokenizer.ggml.tokens"]
     a = next(i for i in range(1000, len(tokens)) if len(tokens[i].encode()) == len(tokens[i + 1].encode()))
@@ -153,9 +151,17 @@ def test_vocabulary_with_a_repeated_token_is_refused_before_llama_cpp_aborts(wor
     data[at + len(raw_a) : at + 2 * len(raw_a)] = raw_a  # token a + 1 becomes a copy of token a
     bad = tmp_path / "repeated-token.gguf"
     bad.write_bytes(data)
+    _aborts_llama_cpp_but_is_refused(bad, rf"twice \(ids {a} and {a + 1}\)")
+
+
+def _aborts_llama_cpp_but_is_refused(bad, match: str) -> None:
+    """llama.cpp alone dies on `bad`; our validator refuses it with a message matching `match`, and so does a
+    load through our loader in a child."""
+    from quantserve.errors import ModelFileError
+
     raw = subprocess.run([sys.executable, "-c", RAW_CHILD, str(bad)], capture_output=True, timeout=120)
     assert raw.returncode < 0, "llama.cpp no longer aborts on this file; the check may be relaxed"
-    with pytest.raises(ModelFileError, match=rf"twice \(ids {a} and {a + 1}\)"):
+    with pytest.raises(ModelFileError, match=match):
         read_gguf_info(bad)
     r = _load(bad)
     assert r.returncode == 2 and "twice" in r.stderr, r.stderr[-2000:]
@@ -185,13 +191,18 @@ def _token_with_nul(work_copy, tmp_path):
 
 def test_token_text_cut_at_a_nul_that_repeats_another_is_refused(work_copy, tmp_path):
     """llama.cpp reads token texts as C strings: bytes that differ after a NUL make the same text, and it aborts.
-    The validator sees the texts as llama.cpp does."""
-    from quantserve.errors import ModelFileError
-
+    The validator sees the texts as llama.cpp does, so every way a user loads the file refuses it: `inspect`,
+    `quantserve run` (before it listens) and `quantserve.load()`, each with exit 2 and the reason."""
     bad, space, victim = _token_with_nul(work_copy, tmp_path)
-    raw = subprocess.run([sys.executable, "-c", RAW_CHILD, str(bad)], capture_output=True, timeout=120)
-    assert raw.returncode < 0, "llama.cpp no longer aborts on this file; the check may be relaxed"
-    with pytest.raises(ModelFileError, match=rf"twice \(ids {space} and {victim}\).*end at the NUL"):
-        read_gguf_info(bad)
-    r = _load(bad)
-    assert r.returncode == 2 and "twice" in r.stderr, r.stderr[-2000:]
+    _aborts_llama_cpp_but_is_refused(bad, rf"twice \(ids {space} and {victim}\).*end at the NUL")
+    cli = [sys.executable, "-m", "quantserve.cli"]
+    for args in (["inspect", str(bad)], ["run", str(bad), "--port", "1"]):
+        r = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and f"ids {space} and {victim}" in r.stderr, (args, r.stderr[-2000:])
+    load = (
+        "import sys, quantserve\nfrom quantserve.errors import QuantserveError\ntry:\n"
+        "    quantserve.load(sys.argv[1])\nexcept QuantserveError as exc:\n"
+        "    print('error:', exc.message, file=sys.stderr); sys.exit(2)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", load, str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "end at the NUL for llama.cpp" in r.stderr, r.stderr[-2000:]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantserve.backends.torch.loader import load_torch
+from quantserve.backends.select import BACKENDS, plan_model
 from quantserve.chat import ChatRequest
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import Image, expand_images
@@ -155,7 +155,8 @@ def test_greedy_tokens_equal_transformers(llm, reference):
 def engine_run(llm_dir, requests, n_batch: int, max_num_seqs: int, caching: bool = False):
     """Greedy tokens of each (tokens, spans) request, all submitted at once to a fresh engine."""
     opts = {"backend": "torch", "ctx_size": 2048, "max_num_seqs": max_num_seqs, "n_batch": n_batch}
-    loaded = load_torch(detect(llm_dir), EngineSettings.from_options(**opts))
+    plan = plan_model(detect(llm_dir), EngineSettings.from_options(**opts))
+    loaded = BACKENDS[plan.backend].load(plan)
     runner = loaded.runner
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=n_batch, max_queue_len=64)
     engine = LLMEngine(runner, config, make_kv(runner.kv_spec, prefix_caching=caching))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantserve.chat import ChatTemplate, tool_format
-from quantserve.core.plan import CAPABILITIES, TemplateSource
+from quantserve.core.plan import CAPABILITIES, KVPlan, ModelPlan, TemplateSource
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError
 from quantserve.formats import ModelSpec, read_gguf_info
@@ -99,3 +99,40 @@ def weight_bytes(spec: ModelSpec, quant: str | None) -> int:
     if bits is not None and source is not None:
         weights = int(weights * bits / source)
     return weights
+
+
+def make_plan(
+    spec: ModelSpec,
+    settings: EngineSettings,
+    *,
+    backend: str,
+    reason: str,
+    architecture: str,
+    steps: tuple[str, ...],
+    kv: KVPlan | None,
+    quant: str | None,
+    vision: str | None = None,
+    mmproj: Path | None = None,
+    rank_outputs: int = 0,
+) -> ModelPlan:
+    """A backend's plan with the facts computed here: the template (a reranker has none: it never chats), its
+    tool-call format, the weights' bytes after `quant`, and the capabilities, every backend embedding."""
+    template = None if rank_outputs else chat_template(spec, settings)
+    return ModelPlan(
+        spec=spec,
+        settings=settings,
+        architecture=architecture,
+        backend=backend,
+        reason=reason,
+        steps=steps,
+        kv=kv,
+        weight_bytes=weight_bytes(spec, quant),
+        template=template,
+        tool_format=tool_format_name(template),
+        capabilities=capabilities(
+            template=template, vision=vision is not None, embeds=True, rank_outputs=rank_outputs
+        ),
+        vision=vision,
+        mmproj=mmproj,
+        rank_outputs=rank_outputs,
+    )

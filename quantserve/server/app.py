@@ -4,20 +4,18 @@ page at /."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib.resources import files
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from quantserve import __version__
-from quantserve.errors import EmbeddingsUnsupportedError, InvalidRequestError
+from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.anthropic import routes as anthropic_routes
 from quantserve.server.catalog import build_router, model_card, slot_card
@@ -32,8 +30,8 @@ from quantserve.server.middleware import (
 )
 from quantserve.server.ollama import models as ollama_models
 from quantserve.server.ollama import routes as ollama_routes
+from quantserve.server.openai import embeddings as openai_embeddings
 from quantserve.server.openai import routes as openai_routes
-from quantserve.server.openai.protocol import EmbeddingRequest
 from quantserve.server.rerank import router as rerank_router
 from quantserve.server.responses import routes as responses_routes
 from quantserve.server.responses.store import ResponseStore
@@ -94,6 +92,7 @@ def create_app(
     app.state.responses = ResponseStore(settings.responses_store_size)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(openai_embeddings.router)
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(ollama_routes.router)
@@ -180,36 +179,6 @@ def create_app(
                 "this server serves one model; unloading is for router mode", param="model"
             )
         return slot_card(await router.unload(body.model))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request):
-        llm_ = await state.acquire(request, body.model)
-        if body.dimensions is not None:
-            raise EmbeddingsUnsupportedError(
-                "'dimensions' is not supported by this model", param="dimensions"
-            )
-        inputs = body.input
-        if isinstance(inputs, str):
-            batches = [llm_.tokenize_prompt(inputs, chat=False)]
-        elif inputs and all(isinstance(x, int) for x in inputs):
-            batches = [list(inputs)]
-        else:
-            batches = [llm_.tokenize_prompt(x, chat=False) if isinstance(x, str) else list(x) for x in inputs]
-        if not batches or any(not b for b in batches):
-            raise InvalidRequestError("'input' must not be empty", param="input")
-        data = []
-        for i, tokens in enumerate(batches):
-            vec = await llm_.embed(tokens)
-            if body.encoding_format == "base64":  # what the openai client asks for: little-endian float32
-                vec = base64.b64encode(np.asarray(vec, dtype="<f4").tobytes()).decode()
-            data.append({"object": "embedding", "index": i, "embedding": vec})
-        n = sum(len(b) for b in batches)
-        return {
-            "object": "list",
-            "data": data,
-            "model": llm_.name,
-            "usage": {"prompt_tokens": n, "total_tokens": n},
-        }
 
     # Innermost first (the last added runs first): metrics see every status, the key check runs before bodies are
     # read, and a request's leases are given back after its response has been sent.

@@ -8,10 +8,10 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from quantserve.chat import ChatPrompt, Event, Reply, ReplyAssembler, TextDelta
 from quantserve.core.sampling_params import SamplingParams
@@ -31,9 +31,14 @@ def sse(obj, event: str | None = None) -> bytes:
     return f"{head}data: {dumps(obj)}\n\n".encode()
 
 
-def event_stream(chunks: AsyncIterator[bytes], on_error: Callable[[str], list[bytes]]) -> StreamingResponse:
-    """An SSE response. Once a stream has started its status is sent; an engine failure then becomes the API's
-    own error event (`on_error(message)`), instead of a connection cut without explanation."""
+def event_stream(
+    chunks: AsyncIterator[bytes],
+    on_error: Callable[[str], list[bytes]],
+    media_type: str = "text/event-stream",
+) -> StreamingResponse:
+    """A streamed response (SSE, or Ollama's JSON lines). Once a stream has started its status is sent; an engine
+    failure then becomes the API's own error event (`on_error(message)`), instead of a connection cut without
+    explanation."""
 
     async def guarded() -> AsyncIterator[bytes]:
         try:
@@ -45,7 +50,7 @@ def event_stream(chunks: AsyncIterator[bytes], on_error: Callable[[str], list[by
             for chunk in on_error(f"generation failed: {message}"):
                 yield chunk
 
-    return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(guarded(), media_type=media_type, headers={"Cache-Control": "no-cache"})
 
 
 @dataclass
@@ -121,29 +126,100 @@ async def merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceO
             g.close()
 
 
-class EventEncoder(Protocol):
-    """One API's streaming shape: a reply event in, SSE chunks out; close() ends what is open."""
+class Encoder(Protocol):
+    """One API's shape of a text request: its stream as chunks (opened, each output's reply events, closed), its
+    whole response, and its error event."""
 
-    def take(self, event: Event) -> list[bytes]: ...
+    media_type: str  # of the stream: "text/event-stream", or Ollama's "application/x-ndjson"
 
-    def close(self) -> list[bytes]: ...
+    def opening(self) -> list[bytes]:
+        """The chunks before the first output."""
+        ...
+
+    def take(self, choice: Choice, out: SequenceOutput, events: list[Event]) -> list[bytes]:
+        """The chunks of one output of `choice`, already recorded there (`events`: its reply events)."""
+        ...
+
+    def closing(self) -> list[bytes]:
+        """The chunks after the last output."""
+        ...
+
+    def response(self) -> dict:
+        """The whole response, once every choice has finished (non-streamed requests)."""
+        ...
+
+    def error(self, message: str) -> list[bytes]:
+        """The API's error event for a failure after the stream has started."""
+        ...
 
 
-async def stream_reply(
-    gens: list[RequestStream], choice: Choice, encoder: EventEncoder, on_first: Callable[[], None]
-) -> AsyncIterator[bytes]:
-    """The SSE chunks of a one-choice reply as it is generated (`on_first` at its first output), then the
-    encoder's closing chunks."""
-    first = True
-    async for _, out in merge(gens):
-        if first:
-            on_first()
-            first = False
-        for event in choice.take(out):
-            for chunk in encoder.take(event):
+@dataclass
+class Run:
+    """One text request on the engine: the model, the choices running, the prompts they continue."""
+
+    state: Any  # quantserve.server.state.ServerState
+    request: Request
+    llm: LLM
+    gens: list[RequestStream]
+    choices: list[Choice]
+    prompts: list[list[int]]
+    t0: float  # when the request began (time to first token, latency)
+    on_first: Callable[[], None] | None = None  # also called at the first output (Ollama's timings)
+
+    @classmethod
+    def start(
+        cls,
+        state: Any,
+        request: Request,
+        llm: LLM,
+        t0: float,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        n: int,
+        rid: str,
+        images=None,
+        chat: ChatPrompt | None = None,
+    ) -> Run:
+        """Submit n choices per prompt; a chat's choices each get the prompt's reply parser."""
+        gens, choices = start(llm, prompts, params, n, rid, images)
+        if chat is not None:
+            for c in choices:
+                c.assembler = chat.assembler()
+        return cls(state, request, llm, gens, choices, prompts, t0)
+
+    async def respond(self, encoder: Encoder, stream: bool):
+        """Every text route's end: stream the choices through `encoder` as SSE, or run them to their end and
+        return its response (a client that leaves first gets a 499 nobody reads). Metrics are recorded once the
+        choices finish."""
+        if stream:
+            return event_stream(self._chunks(encoder), encoder.error, encoder.media_type)
+        if not await until_disconnect(self.request, collect(self.gens, self.choices, self._first)):
+            return JSONResponse({}, status_code=499)
+        self._record()
+        return encoder.response()
+
+    async def _chunks(self, encoder: Encoder) -> AsyncIterator[bytes]:
+        for chunk in encoder.opening():
+            yield chunk
+        first = True
+        async for i, out in merge(self.gens):
+            if first:
+                self._first()
+                first = False
+            choice = self.choices[i]
+            for chunk in encoder.take(choice, out, choice.take(out)):
                 yield chunk
-    for chunk in encoder.close():
-        yield chunk
+        self._record()
+        for chunk in encoder.closing():
+            yield chunk
+
+    def _first(self) -> None:
+        self.state.observe_ttft(self.llm, self.t0)
+        if self.on_first is not None:
+            self.on_first()
+
+    def _record(self) -> None:
+        self.state.record(self.llm, self.choices, self.prompts, self.t0)
 
 
 def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str, images=None):
@@ -162,16 +238,6 @@ def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid:
         for g in gens:
             g.close()  # a later choice was refused (queue full): abort the ones already queued
         raise
-    return gens, choices
-
-
-def start_chat(
-    llm: LLM, prompt: ChatPrompt, tokens: list[int], params: SamplingParams, n: int, rid: str, images=None
-):
-    """Like start, for one chat: each choice gets its own reply parser when the reply may hold tool calls."""
-    gens, choices = start(llm, [tokens], params, n, rid, images)
-    for c in choices:
-        c.assembler = prompt.assembler()
     return gens, choices
 
 

@@ -4,6 +4,7 @@ in-situ conversion to GGUF) and the load that carries the plan out."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from quantserve.backends import facts
@@ -100,19 +101,15 @@ class LlamaCppBackend:
             steps.append("write the vision projector (mmproj) beside it, for libmtmd")
         steps += [PROBE_STEP, "load it with llama.cpp (GPU layers fitted to the converted file)"]
         shape = model_shape(spec)
-        template = facts.chat_template(spec, settings)
-        return ModelPlan(
-            spec=spec,
-            settings=settings,
-            architecture=spec.architecture,
+        return facts.make_plan(
+            spec,
+            settings,
             backend=self.name,
             reason=reason,
+            architecture=spec.architecture,
             steps=tuple(steps),
             kv=llamacpp_kv(shape, settings) if shape is not None else None,
-            weight_bytes=facts.weight_bytes(spec, quant),
-            template=template,
-            tool_format=facts.tool_format_name(template),
-            capabilities=facts.capabilities(template=template, vision=llava, embeds=True, rank_outputs=0),
+            quant=quant,
             vision="LLaVA, through the projector written at conversion (libmtmd)" if llava else None,
         )
 
@@ -122,21 +119,19 @@ class LlamaCppBackend:
             read_gguf_info(part)
         file_type = str(spec.quant.get("file_type", ""))
         if is_mmproj(info):
-            return ModelPlan(
-                spec=spec,
-                settings=settings,
-                architecture=info.architecture,
+            plan = facts.make_plan(
+                spec,
+                settings,
                 backend=self.name,
                 reason="a vision projector for libmtmd, not a model: serve its LLaVA text GGUF with it (beside it, "
                 "or as `mmproj` in models.toml)",
+                architecture=info.architecture,
                 steps=(),
                 kv=None,
-                weight_bytes=facts.weight_bytes(spec, None),
-                template=None,
-                tool_format=None,
-                capabilities=(),
+                quant=None,
                 vision=f"vision projector (mmproj): {describe_mmproj(info)}",
             )
+            return replace(plan, template=None, tool_format=None, capabilities=())
         if settings.quant and settings.quant.lower() != file_type.lower():
             raise ConfigError(
                 f"{spec.path} is already a {file_type} GGUF; --quant {settings.quant} applies to dense "
@@ -145,34 +140,29 @@ class LlamaCppBackend:
             )
         mmproj = projector(spec.files[0], settings.llamacpp.mmproj)
         rank = info.rank_outputs
-        template = None if rank else facts.chat_template(spec, settings)  # a reranker never chats
         kv = llamacpp_kv(gguf_shape(info.metadata), settings, n_ctx_cap=info.context_length if rank else None)
         from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
 
         offload = plan_offload(spec.files[0], settings, gpu_device())
-        steps = (PROBE_STEP, f"load it with llama.cpp: {offload.describe()}")
+        load = f"load it with llama.cpp: {offload.describe()}"
+        vision = None
+        if mmproj is not None:
+            vision = f"images through {mmproj.name}: {describe_mmproj(read_gguf_info(mmproj))}"
+            load += f"; images through {mmproj.name} (libmtmd)"
+        steps: tuple[str, ...] = (PROBE_STEP, load)
         if rank:
             steps += (
                 f"a classification head of {rank} output(s): rank pooling for /v1/rerank, no generation",
             )
-        vision = None
-        if mmproj is not None:
-            vision = f"images through {mmproj.name}: {describe_mmproj(read_gguf_info(mmproj))}"
-            steps = (*steps[:-1], f"{steps[-1]}; images through {mmproj.name} (libmtmd)")
-        return ModelPlan(
-            spec=spec,
-            settings=settings,
-            architecture=info.architecture,
+        return facts.make_plan(
+            spec,
+            settings,
             backend=self.name,
             reason=reason,
+            architecture=info.architecture,
             steps=steps,
             kv=kv,
-            weight_bytes=facts.weight_bytes(spec, None),
-            template=template,
-            tool_format=facts.tool_format_name(template),
-            capabilities=facts.capabilities(
-                template=template, vision=mmproj is not None, embeds=True, rank_outputs=rank
-            ),
+            quant=None,
             vision=vision,
             mmproj=mmproj,
             rank_outputs=rank,

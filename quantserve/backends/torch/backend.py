@@ -70,19 +70,15 @@ class TorchBackend:
                 f"size the KV cache to {settings.torch.gpu_memory_utilization:.0%} of the GPU's memory, less what "
                 "the weights take"
             )
-        template = facts.chat_template(spec, settings)
-        return ModelPlan(
-            spec=spec,
-            settings=settings,
-            architecture=spec.architecture,
+        return facts.make_plan(
+            spec,
+            settings,
             backend=self.name,
             reason=reason,
+            architecture=spec.architecture,
             steps=tuple(steps),
             kv=kv,
-            weight_bytes=facts.weight_bytes(spec, quant),
-            template=template,
-            tool_format=facts.tool_format_name(template),
-            capabilities=facts.capabilities(template=template, vision=llava, embeds=True, rank_outputs=0),
+            quant=quant,
             vision=_llava_vision(spec.config or {}) if llava else None,
         )
 

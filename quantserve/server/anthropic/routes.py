@@ -9,7 +9,6 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
 from quantserve.chat.jsonscan import no_lone_surrogates
@@ -24,15 +23,7 @@ from quantserve.server.anthropic.protocol import (
     system_text,
 )
 from quantserve.server.errors import anthropic_error_body
-from quantserve.server.generation import (
-    Choice,
-    collect,
-    event_stream,
-    sse,
-    start_chat,
-    stream_reply,
-    until_disconnect,
-)
+from quantserve.server.generation import Choice, Run, sse
 from quantserve.server.state import ServerState
 
 router = APIRouter()
@@ -135,6 +126,53 @@ class _Blocks:
         return [sse({"type": "content_block_stop", "index": self.index}, event="content_block_stop")]
 
 
+class _MessageEncoder:
+    """A message and its events: message_start and a ping, content blocks around the reply's events,
+    message_delta with the stop reason, message_stop."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, run: Run, mid: str):
+        self.run, self.choice = run, run.choices[0]
+        self.base = {"id": mid, "type": "message", "role": "assistant", "model": run.llm.name}
+        self.blocks = _Blocks()
+
+    def opening(self) -> list[bytes]:
+        c = self.choice
+        start = {**self.base, "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(c)}
+        return [
+            sse({"type": "message_start", "message": start}, event="message_start"),
+            sse({"type": "ping"}, event="ping"),
+        ]
+
+    def take(self, choice: Choice, out, events) -> list[bytes]:
+        return [chunk for event in events for chunk in self.blocks.take(event)]
+
+    def closing(self) -> list[bytes]:
+        reason, seq = _stop(self.choice)
+        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
+        return [
+            *self.blocks.close(),
+            sse({**delta, "usage": {"output_tokens": self.choice.num_output_tokens}}, event="message_delta"),
+            sse({"type": "message_stop"}, event="message_stop"),
+        ]
+
+    def response(self) -> dict:
+        c = self.choice
+        reason, seq = _stop(c)
+        assert c.reply is not None
+        return {
+            **self.base,
+            "content": _content(c.reply),
+            "stop_reason": reason,
+            "stop_sequence": seq,
+            "usage": _usage(c),
+        }
+
+    def error(self, message: str) -> list[bytes]:
+        return [sse(anthropic_error_body(message, "api_error"), event="error")]
+
+
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
     state: ServerState = request.app.state.qs
@@ -151,40 +189,8 @@ async def messages(body: MessagesRequest, request: Request):
         skip_special_tokens=prompt.skip_special_tokens,
     )
     mid = f"msg_{uuid.uuid4().hex}"
-    gens, choices = start_chat(llm, prompt, tokens, params, 1, mid, images)
-    c = choices[0]
-    base = {"id": mid, "type": "message", "role": "assistant", "model": llm.name}
-    if body.stream:
-
-        async def stream():
-            start = {**base, "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(c)}
-            yield sse({"type": "message_start", "message": start}, event="message_start")
-            yield sse({"type": "ping"}, event="ping")
-            async for chunk in stream_reply(gens, c, _Blocks(), lambda: state.observe_ttft(llm, t0)):
-                yield chunk
-            state.record(llm, choices, [tokens], t0)
-            reason, seq = _stop(c)
-            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
-            yield sse({**delta, "usage": {"output_tokens": c.num_output_tokens}}, event="message_delta")
-            yield sse({"type": "message_stop"}, event="message_stop")
-
-        def failed(message: str) -> list[bytes]:
-            return [sse(anthropic_error_body(message, "api_error"), event="error")]
-
-        return event_stream(stream(), failed)
-
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
-        return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    state.record(llm, choices, [tokens], t0)
-    reason, seq = _stop(c)
-    assert c.reply is not None
-    return {
-        **base,
-        "content": _content(c.reply),
-        "stop_reason": reason,
-        "stop_sequence": seq,
-        "usage": _usage(c),
-    }
+    run = Run.start(state, request, llm, t0, [tokens], params, 1, mid, images, chat=prompt)
+    return await run.respond(_MessageEncoder(run, mid), body.stream)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -14,19 +14,18 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
-from quantserve.chat import ChatRequest
+from quantserve.chat import ChatRequest, TextDelta
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
-from quantserve.server.generation import Choice, collect, merge, start, start_chat, until_disconnect
+from quantserve.server.generation import Choice, Run
 from quantserve.server.ollama.protocol import (
+    NDJSON,
     ChatBody,
     EmbedBody,
     EmbeddingsBody,
@@ -36,7 +35,6 @@ from quantserve.server.ollama.protocol import (
     chat_request,
     image_part,
     keep_alive_seconds,
-    ndjson,
     response_schema,
     tagged,
     untagged,
@@ -136,6 +134,78 @@ def _load_only(request: Request, body, slot: Slot, kind: str) -> dict[str, Any]:
     return {**out, "done_reason": "unload" if unload else "load", "done": True}
 
 
+def _rid() -> str:
+    return f"ollama-{uuid.uuid4().hex}"
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
+
+
+class _Encoder:
+    """Ollama's JSON lines: a line per output with text, then the final line with the timings; its final object
+    unloads the model after it if keep_alive says so."""
+
+    media_type = NDJSON
+
+    def __init__(self, run: Run, body: ChatBody | GenerateBody, slot: Slot, clock: Clock):
+        self.run, self.choice, self.body, self.slot, self.clock = run, run.choices[0], body, slot, clock
+        self.head = {"model": tagged(untagged(body.model))}
+
+    def final(self) -> dict[str, Any]:
+        _unload_after(self.run.state, self.slot, self.body.keep_alive)
+        c = self.choice
+        stats = self.clock.fields(c.num_prompt_tokens, c.num_output_tokens)
+        return {**self.head, "created_at": _now(), "done": True, "done_reason": _done_reason(c), **stats}
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def error(self, message: str) -> list[bytes]:
+        return [_line({"error": message})]
+
+
+class _ChatEncoder(_Encoder):
+    def take(self, choice: Choice, out, events) -> list[bytes]:
+        text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        message = {"role": "assistant", "content": text}
+        return [_line({**self.head, "created_at": _now(), "message": message, "done": False})] if text else []
+
+    def closing(self) -> list[bytes]:
+        out = []
+        if self.choice.reply is not None and self.choice.reply.tool_calls:
+            message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(self.choice)}
+            out.append(_line({**self.head, "created_at": _now(), "message": message, "done": False}))
+        return [*out, _line({**self.final(), "message": {"role": "assistant", "content": ""}})]
+
+    def response(self) -> dict:
+        reply = self.choice.reply
+        assert reply is not None
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
+        if reply.tool_calls:
+            message["tool_calls"] = _tool_calls(self.choice)
+        return {**self.final(), "message": message}
+
+
+class _GenerateEncoder(_Encoder):
+    def final(self) -> dict[str, Any]:
+        out = super().final()
+        if not self.body.raw:  # the tokens to send back as `context` for the next turn
+            tokens, text = self.run.prompts[0], self.choice.text
+            out["context"] = tokens + self.run.llm.tokenize_prompt(text, chat=False) if text else tokens
+        return out
+
+    def take(self, choice: Choice, out, events) -> list[bytes]:
+        line = {**self.head, "created_at": _now(), "response": out.text, "done": False}
+        return [_line(line)] if out.text else []
+
+    def closing(self) -> list[bytes]:
+        return [_line({**self.final(), "response": ""})]
+
+    def response(self) -> dict:
+        return {**self.final(), "response": self.choice.text}
+
+
 @router.post("/api/chat")
 async def chat(body: ChatBody, request: Request):
     state: ServerState = request.app.state.qs
@@ -147,44 +217,9 @@ async def chat(body: ChatBody, request: Request):
     req = chat_request(body, reader)
     prompt, tokens, images = llm.prepare_chat(req, await reader.load(state.media))
     params = _params(llm, body.options, len(tokens), prompt.grammar, prompt.skip_special_tokens)
-    gens, choices = start_chat(llm, prompt, tokens, params, 1, f"ollama-{uuid.uuid4().hex}", images)
-    c = choices[0]
-    head = {"model": tagged(untagged(body.model))}
-
-    def final() -> dict[str, Any]:
-        _unload_after(state, slot, body.keep_alive)
-        stats = clock.fields(len(tokens), c.num_output_tokens)
-        return {**head, "created_at": _now(), "done_reason": _done_reason(c), "done": True, **stats}
-
-    if body.stream:
-
-        async def stream() -> AsyncIterator[dict]:
-            first = True
-            async for _, out in merge(gens):
-                if first:
-                    clock.mark_first()
-                    state.observe_ttft(llm, clock.start)
-                    first = False
-                text = "".join(e.text for e in c.take(out) if hasattr(e, "text"))
-                if text:
-                    yield {**head, "created_at": _now(), "message": {"role": "assistant", "content": text},
-                           "done": False}  # fmt: skip
-            state.record(llm, choices, [tokens], clock.start)
-            if c.reply is not None and c.reply.tool_calls:
-                message = {"role": "assistant", "content": "", "tool_calls": _tool_calls(c)}
-                yield {**head, "created_at": _now(), "message": message, "done": False}
-            yield {**final(), "message": {"role": "assistant", "content": ""}}
-
-        return ndjson(stream())
-
-    if not await until_disconnect(request, collect(gens, choices, clock.mark_first)):
-        return JSONResponse({}, status_code=499)
-    state.record(llm, choices, [tokens], clock.start)
-    assert c.reply is not None
-    message: dict[str, Any] = {"role": "assistant", "content": c.reply.content or ""}
-    if c.reply.tool_calls:
-        message["tool_calls"] = _tool_calls(c)
-    return {**final(), "message": message}
+    run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), images, chat=prompt)
+    run.on_first = clock.mark_first
+    return await run.respond(_ChatEncoder(run, body, slot, clock), body.stream)
 
 
 @router.post("/api/generate")
@@ -229,39 +264,9 @@ async def generate(body: GenerateBody, request: Request):
         schema = response_schema(body.format)
         grammar = json_schema_grammar(schema, param="format") if schema is not None else None
     params = _params(llm, body.options, len(tokens), grammar, skip_special)
-    gens, choices = start(llm, [tokens], params, 1, f"ollama-{uuid.uuid4().hex}", spans or images or None)
-    c = choices[0]
-    head = {"model": tagged(untagged(body.model))}
-
-    def final() -> dict[str, Any]:
-        _unload_after(state, slot, body.keep_alive)
-        stats = clock.fields(len(tokens), c.num_output_tokens)
-        out = {**head, "created_at": _now(), "done": True, "done_reason": _done_reason(c), **stats}
-        if not body.raw:
-            out["context"] = tokens + llm.tokenize_prompt(c.text, chat=False) if c.text else tokens
-        return out
-
-    if body.stream:
-
-        async def stream() -> AsyncIterator[dict]:
-            first = True
-            async for _, out in merge(gens):
-                if first:
-                    clock.mark_first()
-                    state.observe_ttft(llm, clock.start)
-                    first = False
-                c.take(out)
-                if out.text:
-                    yield {**head, "created_at": _now(), "response": out.text, "done": False}
-            state.record(llm, choices, [tokens], clock.start)
-            yield {**final(), "response": ""}
-
-        return ndjson(stream())
-
-    if not await until_disconnect(request, collect(gens, choices, clock.mark_first)):
-        return JSONResponse({}, status_code=499)
-    state.record(llm, choices, [tokens], clock.start)
-    return {**final(), "response": c.text}
+    run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), spans or images or None)
+    run.on_first = clock.mark_first
+    return await run.respond(_GenerateEncoder(run, body, slot, clock), body.stream)
 
 
 @router.post("/api/embed")

@@ -6,7 +6,6 @@ import time
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 from quantserve.chat import ChatRequest, TextDelta
 from quantserve.chat.tools import parse_openai_tool_choice, parse_openai_tools
@@ -14,26 +13,12 @@ from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.content import ContentReader
 from quantserve.server.errors import error_body
-from quantserve.server.generation import (
-    Choice,
-    collect,
-    event_stream,
-    merge,
-    sse,
-    start,
-    start_chat,
-    until_disconnect,
-    usage,
-)
+from quantserve.server.generation import Choice, Run, sse, usage
 from quantserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, response_schema
 from quantserve.server.state import ServerState
 from quantserve.structured import Grammar
 
 router = APIRouter()
-
-
-def _openai_error(message: str) -> list[bytes]:
-    return [sse(error_body(message, "server_error")), b"data: [DONE]\n\n"]
 
 
 def _params(
@@ -121,6 +106,74 @@ def _delta(event) -> dict:
     return {"tool_calls": [call]}
 
 
+class _Encoder:
+    """What OpenAI's two streams share: the chunk's header, the usage chunk when stream_options asks for it, [DONE],
+    and the error event."""
+
+    media_type = "text/event-stream"
+    object: str
+
+    def __init__(self, run: Run, body: ChatCompletionRequest | CompletionRequest, rid: str):
+        self.run, self.body = run, body
+        self.base = {"id": rid, "object": self.object, "created": int(time.time()), "model": run.llm.name}
+        self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.extra = {"usage": None} if self.include_usage else {}
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def closing(self) -> list[bytes]:
+        tail = [b"data: [DONE]\n\n"]
+        if self.include_usage:
+            tail.insert(
+                0, sse({**self.base, "choices": [], "usage": usage(self.run.choices, self.run.prompts)})
+            )
+        return tail
+
+    def error(self, message: str) -> list[bytes]:
+        return [sse(error_body(message, "server_error")), b"data: [DONE]\n\n"]
+
+
+class _ChatEncoder(_Encoder):
+    """chat.completion and its chunks: a role chunk per choice, a delta per reply event (the output's logprobs on
+    the first), a finish chunk per choice, the usage chunk if asked, [DONE]."""
+
+    object = "chat.completion.chunk"
+
+    def _chunk(self, index: int, delta: dict, logprobs=None, finish_reason=None) -> bytes:
+        ch = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse({**self.base, "choices": [ch], **self.extra})
+
+    def opening(self) -> list[bytes]:
+        return [self._chunk(c.index, {"role": "assistant", "content": ""}) for c in self.run.choices]
+
+    def take(self, choice: Choice, out, events) -> list[bytes]:
+        lp = {"content": _chat_logprobs(self.run.llm, out.logprobs)} if out.logprobs else None
+        chunks = [self._chunk(choice.index, _delta(e), lp if k == 0 else None) for k, e in enumerate(events)]
+        if lp and not events:
+            chunks.append(self._chunk(choice.index, {}, lp))
+        if choice.reply is not None:
+            chunks.append(self._chunk(choice.index, {}, finish_reason=choice.reply.finish_reason))
+        return chunks
+
+    def response(self) -> dict:
+        llm, choices = self.run.llm, self.run.choices
+        return {
+            **{k: v for k, v in self.base.items() if k != "object"},
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": _message(c),
+                    "logprobs": {"content": _chat_logprobs(llm, c.logprobs)} if self.body.logprobs else None,
+                    "finish_reason": c.reply.finish_reason if c.reply else c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage(choices, self.run.prompts),
+        }
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.qs
@@ -140,70 +193,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         skip_special_tokens=prompt.skip_special_tokens,
     )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    gens, choices = start_chat(llm, prompt, tokens, params, body.n, rid, images)
-    created = int(time.time())
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": llm.name}
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def stream():
-            extra_fields = {"usage": None} if include_usage else {}
-            for c in choices:
-                first = {
-                    "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield sse({**base, "choices": [first], **extra_fields})
-            first_token = True
-            async for i, out in merge(gens):
-                c = choices[i]
-                if first_token:
-                    state.observe_ttft(llm, t0)
-                    first_token = False
-                events = c.take(out)
-                lp = {"content": _chat_logprobs(llm, out.logprobs)} if out.logprobs else None
-                for k, event in enumerate(events):
-                    ch = {
-                        "index": i,
-                        "delta": _delta(event),
-                        "logprobs": lp if k == 0 else None,
-                        "finish_reason": None,
-                    }
-                    yield sse({**base, "choices": [ch], **extra_fields})
-                if lp and not events:
-                    ch = {"index": i, "delta": {}, "logprobs": lp, "finish_reason": None}
-                    yield sse({**base, "choices": [ch], **extra_fields})
-                if c.reply is not None:
-                    ch = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.reply.finish_reason}
-                    yield sse({**base, "choices": [ch], **extra_fields})
-            state.record(llm, choices, [tokens], t0)
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(choices, [tokens])})
-            yield b"data: [DONE]\n\n"
-
-        return event_stream(stream(), _openai_error)
-
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
-        return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    state.record(llm, choices, [tokens], t0)
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": llm.name,
-        "choices": [
-            {
-                "index": c.index,
-                "message": _message(c),
-                "logprobs": {"content": _chat_logprobs(llm, c.logprobs)} if body.logprobs else None,
-                "finish_reason": c.reply.finish_reason if c.reply else c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(choices, [tokens]),
-    }
+    run = Run.start(state, request, llm, t0, [tokens], params, body.n, rid, images, chat=prompt)
+    return await run.respond(_ChatEncoder(run, body, rid), body.stream)
 
 
 # ---- completions -------------------------------------------------------------------------------
@@ -237,6 +228,57 @@ def _completion_logprobs(llm: LLM, lps, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+class _CompletionEncoder(_Encoder):
+    """text_completion and its chunks: the echoed prompts, a chunk per output with text, logprobs or a finish
+    reason, the usage chunk if asked, [DONE]."""
+
+    object = "text_completion"
+
+    def __init__(self, run: Run, body: CompletionRequest, rid: str):
+        super().__init__(run, body, rid)
+        llm, prompts = run.llm, run.prompts
+        if isinstance(body.prompt, str):
+            self.echo = {0: body.prompt}
+        else:
+            self.echo = {i: llm.detokenize(p) for i, p in enumerate(prompts)} if body.echo else {}
+        self.offsets = {c.index: 0 for c in run.choices}
+
+    def _chunk(self, index: int, text: str, logprobs=None, finish_reason=None) -> bytes:
+        ch = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse({**self.base, "choices": [ch], **self.extra})
+
+    def opening(self) -> list[bytes]:
+        if not self.body.echo:
+            return []
+        return [self._chunk(c.index, self.echo[c.prompt_index]) for c in self.run.choices]
+
+    def take(self, choice: Choice, out, events) -> list[bytes]:
+        i = choice.index
+        lp = _completion_logprobs(self.run.llm, out.logprobs, self.offsets[i]) if out.logprobs else None
+        self.offsets[i] += len(out.text)
+        return (
+            [self._chunk(i, out.text, lp, out.finish_reason)] if out.text or lp or out.finish_reason else []
+        )
+
+    def response(self) -> dict:
+        llm, choices, echo = self.run.llm, self.run.choices, self.body.echo
+        return {
+            **self.base,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": (self.echo[c.prompt_index] if echo else "") + c.text,
+                    "logprobs": _completion_logprobs(llm, c.logprobs, 0)
+                    if self.body.logprobs is not None
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage(choices, self.run.prompts),
+        }
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.qs
@@ -253,61 +295,5 @@ async def completions(body: CompletionRequest, request: Request):
         llm, body, max_tokens=max_tokens, grammar=None, logprobs=want_lp, top_logprobs=body.logprobs or 0
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
-    gens, choices = start(llm, prompts, params, body.n, rid)
-    created = int(time.time())
-    base = {"id": rid, "object": "text_completion", "created": created, "model": llm.name}
-    if isinstance(body.prompt, str):
-        echo_text = {0: body.prompt}
-    else:
-        echo_text = {i: llm.detokenize(p) for i, p in enumerate(prompts)} if body.echo else {}
-
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def stream():
-            extra_fields = {"usage": None} if include_usage else {}
-            if body.echo:
-                for c in choices:
-                    ch = {
-                        "index": c.index,
-                        "text": echo_text[c.prompt_index],
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    yield sse({**base, "choices": [ch], **extra_fields})
-            first = True
-            offsets = {c.index: 0 for c in choices}
-            async for i, out in merge(gens):
-                if first:
-                    state.observe_ttft(llm, t0)
-                    first = False
-                choices[i].num_output_tokens = out.num_output_tokens
-                lp = _completion_logprobs(llm, out.logprobs, offsets[i]) if out.logprobs else None
-                offsets[i] += len(out.text)
-                if out.text or lp or out.finish_reason:
-                    ch = {"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
-                    yield sse({**base, "choices": [ch], **extra_fields})
-            state.record(llm, choices, prompts, t0)
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": usage(choices, prompts)})
-            yield b"data: [DONE]\n\n"
-
-        return event_stream(stream(), _openai_error)
-
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
-        return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    state.record(llm, choices, prompts, t0)
-    return {
-        **{k: v for k, v in base.items() if k != "object"},
-        "object": "text_completion",
-        "choices": [
-            {
-                "index": c.index,
-                "text": (echo_text[c.prompt_index] if body.echo else "") + c.text,
-                "logprobs": _completion_logprobs(llm, c.logprobs, 0) if want_lp else None,
-                "finish_reason": c.finish_reason,
-            }
-            for c in choices
-        ],
-        "usage": usage(choices, prompts),
-    }
+    run = Run.start(state, request, llm, t0, prompts, params, body.n, rid)
+    return await run.respond(_CompletionEncoder(run, body, rid), body.stream)

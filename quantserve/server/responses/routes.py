@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
-from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
+from quantserve.chat import CallDelta, ChatRequest, TextDelta
 from quantserve.core.multimodal import Image
 from quantserve.server.errors import error_body
-from quantserve.server.generation import (
-    Choice,
-    collect,
-    event_stream,
-    sse,
-    start_chat,
-    stream_reply,
-    until_disconnect,
-)
+from quantserve.server.generation import Choice, Run, sse
 from quantserve.server.responses.protocol import (
     ResponsesRequest,
     call_item,
@@ -138,6 +130,42 @@ class _Events:
         return out
 
 
+class _ResponseEncoder:
+    """A response and its events: created and in_progress, output items around the reply's events, then
+    completed or incomplete; the finished response is stored for previous_response_id (`keep`)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, run: Run, base: dict[str, Any], keep: Callable[[dict, list], None]):
+        self.choice, self.base, self.keep = run.choices[0], base, keep
+        self.events = _Events()
+
+    def opening(self) -> list[bytes]:
+        return [
+            self.events.ev(kind, response=self.base) for kind in ("response.created", "response.in_progress")
+        ]
+
+    def take(self, choice: Choice, out, events) -> list[bytes]:
+        return [chunk for event in events for chunk in self.events.take(event)]
+
+    def closing(self) -> list[bytes]:
+        out = self.events.close()
+        done = _finished(self.base, self.choice, self.events.items)
+        self.keep(done, self.events.items)
+        kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
+        return [*out, self.events.ev(kind, response=done)]
+
+    def response(self) -> dict:
+        assert self.choice.reply is not None
+        output = output_items(self.choice.reply)
+        done = _finished(self.base, self.choice, output)
+        self.keep(done, output)
+        return done
+
+    def error(self, message: str) -> list[bytes]:
+        return [self.events.ev("error", **error_body(message, "server_error")["error"])]
+
+
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     state: ServerState = request.app.state.qs
@@ -171,8 +199,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         skip_special_tokens=prompt.skip_special_tokens,
     )
     rid = f"resp_{uuid.uuid4().hex}"
-    gens, choices = start_chat(llm, prompt, tokens, params, 1, rid, spans)
-    c = choices[0]
+    run = Run.start(state, request, llm, t0, [tokens], params, 1, rid, spans, chat=prompt)
     base = {
         "id": rid,
         "object": "response",
@@ -201,36 +228,10 @@ async def create_response(body: ResponsesRequest, request: Request):
     }
 
     def keep(response: dict[str, Any], output: list[dict[str, Any]]) -> None:
-        state.record(llm, choices, [tokens], t0)
         if body.store:
             store.put(rid, StoredResponse(response, tuple(messages + messages_of(output)), tuple(images)))
 
-    if body.stream:
-        events = _Events()
-
-        async def stream():
-            yield events.ev("response.created", response=base)
-            yield events.ev("response.in_progress", response=base)
-            async for chunk in stream_reply(gens, c, events, lambda: state.observe_ttft(llm, t0)):
-                yield chunk
-            done = _finished(base, c, events.items)
-            keep(done, events.items)
-            kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-            yield events.ev(kind, response=done)
-
-        def failed(message: str) -> list[bytes]:
-            err = error_body(message, "server_error")["error"]
-            return [events.ev("error", **err)]
-
-        return event_stream(stream(), failed)
-
-    if not await until_disconnect(request, collect(gens, choices, lambda: state.observe_ttft(llm, t0))):
-        return JSONResponse({}, status_code=499)  # the client is gone; nobody reads this
-    reply: Reply = c.reply  # type: ignore[assignment]
-    output = output_items(reply)
-    done = _finished(base, c, output)
-    keep(done, output)
-    return done
+    return await run.respond(_ResponseEncoder(run, base, keep), body.stream)
 
 
 @router.get("/v1/responses/{response_id}")
