@@ -138,7 +138,7 @@ def conversion_quality(
 
 def _torch_runs(src: Path, out: Path) -> bool:
     """A dense HF source and a quantized HF output whose architecture and bits the torch backend runs."""
-    from quantserve.backends.torch.archs import ARCHITECTURES, MULTIMODAL
+    from quantserve.backends.torch.archs import runs
     from quantserve.formats import detect
 
     s, o = detect(src), detect(out)
@@ -146,6 +146,6 @@ def _torch_runs(src: Path, out: Path) -> bool:
     return (
         s.format == "safetensors"
         and o.scheme is not None
-        and arch in (*ARCHITECTURES, *MULTIMODAL)
+        and runs(arch)
         and o.scheme.weights()[0] in (4, 8)  # Marlin's
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from quantserve.converters.hf_quant.writer import LayerEncoder, register_writer
+from quantserve.converters.hf_quant.writer import LayerEncoder
 from quantserve.errors import ConfigError
 from quantserve.formats.quant_tensors import AWQ_ORDER
 from quantserve.kernels.packing import pack
@@ -22,10 +22,11 @@ def awq_pack(values: torch.Tensor) -> torch.Tensor:
     return pack(values.reshape(r, -1, 8)[:, :, list(AWQ_ORDER)].reshape(r, -1), 4, dim=1)
 
 
-@register_writer("awq")
 class AWQEncoder(LayerEncoder):
     """AWQ is 4-bit, asymmetric and without act-order. Symmetric weights are written with zero 8 everywhere,
     which is the same dequantization (lossless); anything else is refused with the format to use instead."""
+
+    fmt = "awq"
 
     uniform_sym = False
 

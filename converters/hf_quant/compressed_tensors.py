@@ -10,19 +10,20 @@ from typing import Any
 
 import torch
 
-from quantserve.converters.hf_quant.writer import LayerEncoder, WriteOptions, register_writer
+from quantserve.converters.hf_quant.writer import LayerEncoder, WriteOptions
 from quantserve.errors import ConfigError
 from quantserve.formats.quant_tensors import pack_words
 from quantserve.kernels.packing import pack
 from quantserve.kernels.qweight import QuantizedWeight
 
 
-@register_writer("compressed-tensors")
 class CTEncoder(LayerEncoder):
     """weight_packed [N, K*b/32] is the GPTQ qweight transposed, weight_scale [N, groups] the scales transposed,
     weight_zero_point [N*b/32, groups] the unsigned zeros packed along N (asymmetric only), weight_g_idx with
     actorder "group" ("compressed-tensors tensors", "compressed-tensors and GPTQ"). Stored values are
     signed + 2^(b-1), i.e. exactly the unsigned values."""
+
+    fmt = "compressed-tensors"
 
     def __init__(self, options: WriteOptions):
         super().__init__(options)

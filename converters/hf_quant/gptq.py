@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from quantserve.converters.hf_quant.writer import LayerEncoder, WriteOptions, register_writer
+from quantserve.converters.hf_quant.writer import LayerEncoder, WriteOptions
 from quantserve.errors import ConfigError
 from quantserve.formats.quant_tensors import v1_zero_words
 from quantserve.kernels.packing import pack
@@ -44,12 +44,13 @@ def module_rules(overrides: dict[str, tuple[int, int]]) -> dict[str, dict[str, A
     }
 
 
-@register_writer("gptq")
 class GPTQEncoder(LayerEncoder):
     """v1 for symmetric weights (every consumer reads it), gptq_v2 for asymmetric ones unless v1 is requested:
     v1's zeros-minus-one wraps for a zero of 0 ("GPTQ zero points"). v1 zeros are written with GPTQModel's
     whole-word subtraction, which the reader's whole-word addition undoes exactly; for symmetric zeros it is
     per slot. Modules of other bits or group sizes than the first get `dynamic` rules."""
+
+    fmt = "gptq"
 
     per_module = True
 

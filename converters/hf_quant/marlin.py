@@ -13,15 +13,16 @@ from typing import Any
 import torch
 
 from quantserve.converters.hf_quant.gptq import dense_rules
-from quantserve.converters.hf_quant.writer import LayerEncoder, register_writer
+from quantserve.converters.hf_quant.writer import LayerEncoder
 from quantserve.errors import ConfigError
 from quantserve.formats.schemes.marlin import MARLIN_GROUPS
 from quantserve.kernels.marlin import to_marlin
 from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
 
 
-@register_writer("marlin")
 class MarlinEncoder(LayerEncoder):
+    fmt = "marlin"
+
     def encode(
         self, prefix: str, w: QuantizedWeight, bias: torch.Tensor | None
     ) -> list[tuple[str, torch.Tensor]]:

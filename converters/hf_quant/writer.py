@@ -9,16 +9,15 @@ a `LayerEncoder` here. Section names refer to docs/quantized-checkpoints.md.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
-import pkgutil
 import shutil
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import IO, Any
 
@@ -136,25 +135,16 @@ class LayerEncoder(ABC):
         return {}
 
 
-_WRITERS: dict[str, Callable[[WriteOptions], LayerEncoder]] = {}
+@cache
+def writers() -> dict[str, type[LayerEncoder]]:
+    """Every format writer by its format name, each module imported on the first call. A new format is its file
+    plus one line here."""
+    from quantserve.converters.hf_quant.awq import AWQEncoder
+    from quantserve.converters.hf_quant.compressed_tensors import CTEncoder
+    from quantserve.converters.hf_quant.gptq import GPTQEncoder
+    from quantserve.converters.hf_quant.marlin import MarlinEncoder
 
-
-def writers() -> dict[str, Callable[[WriteOptions], LayerEncoder]]:
-    """Every format writer by name; each module of this package beside this one registers one."""
-    if not _WRITERS:
-        package = __name__.rpartition(".")[0]
-        for mod in pkgutil.iter_modules(importlib.import_module(package).__path__):
-            importlib.import_module(f"{package}.{mod.name}")
-    return _WRITERS
-
-
-def register_writer(fmt: str) -> Callable[[type[LayerEncoder]], type[LayerEncoder]]:
-    def wrap(cls: type[LayerEncoder]) -> type[LayerEncoder]:
-        cls.fmt = fmt
-        _WRITERS[fmt] = cls
-        return cls
-
-    return wrap
+    return {cls.fmt: cls for cls in (AWQEncoder, CTEncoder, GPTQEncoder, MarlinEncoder)}
 
 
 class ShardedWriter:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from quantserve.backends.llamacpp.backend import LlamaCppBackend
-from quantserve.backends.torch.archs import ARCHITECTURES, LOAD_QUANTS, MULTIMODAL
+from quantserve.backends.torch.archs import LOAD_QUANTS, runs
 from quantserve.backends.torch.backend import TorchBackend
 from quantserve.core.plan import ModelPlan
 from quantserve.core.settings import EngineSettings
@@ -38,7 +38,7 @@ def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) ->
     if spec.format == "gguf":
         return "llamacpp", "GGUF is llama.cpp's own format"
     arch = next(iter((spec.config or {}).get("architectures") or []), None)
-    if arch not in ARCHITECTURES and arch not in MULTIMODAL:
+    if not runs(arch):
         return "llamacpp", f"the torch backend does not implement {arch or 'this architecture'}"
     if quant and quant.lower() in LOAD_QUANTS:
         return "torch", f"--quant {quant} is applied at load by the torch backend"

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantserve.backends.torch.archs import ARCHITECTURES
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import StepBatch
 from quantserve.errors import UnsupportedFormatError
+from quantserve.gguf.archs import torch_architectures
 from quantserve.kernels import fused
 from quantserve.kernels.paged_attention import paged_decode_attention
 
@@ -47,11 +47,12 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """Raises UnsupportedFormatError for architectures this model does not implement."""
         names = cfg.get("architectures") or []
-        arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+        known = torch_architectures()
+        arch = next((known[n] for n in names if n in known), None)
         if arch is None:
             raise UnsupportedFormatError(
                 f"architecture {names or cfg.get('model_type')!r} is not supported by the torch backend "
-                f"(supported: {', '.join(ARCHITECTURES)}); use --backend llamacpp with a GGUF"
+                f"(supported: {', '.join(known)}); use --backend llamacpp with a GGUF"
             )
         heads = cfg["num_attention_heads"]
         # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.

@@ -1,7 +1,7 @@
 """Tool-call formats: how a family of chat templates asks for tools, writes calls, and how its replies parse.
 
-One module per family in this package; each defines a ToolFormat subclass decorated with @register, and every
-module here is imported when formats are first needed, so a new family is one new file. Which format a model uses
+One module per family in this package, each defining a ToolFormat subclass listed in registered() below (imported
+when formats are first needed), so a new family is its file plus one line there. Which format a model uses
 is read from its template, never from its name: a probe render writes a known call through the template
 (TemplateProbe.turn) and the first format, in priority order, whose parser reads that same call back wins. A
 template whose calls no format reads (including templates that know no tools at all) gets the generic format.
@@ -9,10 +9,9 @@ template whose calls no format reads (including templates that know no tools at 
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, ClassVar
 
 from quantserve.chat.reply import ReplyParser
@@ -38,23 +37,16 @@ class GrammarSpec:
         return lark_literal(text, self.special)
 
 
-_REGISTRY: list[type[ToolFormat]] = []
-_loaded = False
-
-
-def register(cls: type[ToolFormat]) -> type[ToolFormat]:
-    _REGISTRY.append(cls)
-    _REGISTRY.sort(key=lambda c: c.priority)
-    return cls
-
-
+@cache
 def registered() -> list[type[ToolFormat]]:
-    global _loaded
-    if not _loaded:
-        for mod in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{mod.name}")
-        _loaded = True
-    return list(_REGISTRY)
+    """Every family's format in detection order (lowest priority first; the generic one last), each module
+    imported on the first call. A new family is its file plus one line here."""
+    from quantserve.chat.formats.generic import Generic
+    from quantserve.chat.formats.hermes import Hermes
+    from quantserve.chat.formats.llama3 import Llama3
+    from quantserve.chat.formats.mistral import Mistral
+
+    return sorted((Generic, Hermes, Llama3, Mistral), key=lambda cls: cls.priority)
 
 
 def detect(probe: TemplateProbe) -> ToolFormat:

@@ -10,7 +10,7 @@ import contextlib
 import json
 from typing import Any
 
-from quantserve.chat.formats import GrammarSpec, ToolFormat, call_schema, one_of, register
+from quantserve.chat.formats import GrammarSpec, ToolFormat, call_schema, one_of
 from quantserve.chat.reply import Event, JsonCallParser, TextDelta
 from quantserve.chat.template import TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice
@@ -39,7 +39,6 @@ def _instructions(tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -
     return f"You can use these tools; {what}.\n{listing}\n\n{how}"
 
 
-@register
 class Generic(ToolFormat):
     name = "generic"
     priority = 1000  # the fallback: tried last, and it takes any template

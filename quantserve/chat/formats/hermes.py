@@ -10,7 +10,6 @@ from quantserve.chat.formats import (
     call_schema,
     calls_grammar,
     one_of,
-    register,
     trigger_rule,
 )
 from quantserve.chat.reply import Event, JsonCallParser
@@ -19,7 +18,6 @@ from quantserve.structured import Grammar, json_rule
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-@register
 class Hermes(ToolFormat):
     name = "hermes"
     priority = 20

@@ -4,14 +4,13 @@ grammar asks for one."""
 
 from __future__ import annotations
 
-from quantserve.chat.formats import GrammarSpec, ToolFormat, call_schema, calls_grammar, one_of, register
+from quantserve.chat.formats import GrammarSpec, ToolFormat, call_schema, calls_grammar, one_of
 from quantserve.chat.reply import Event, JsonCallParser
 from quantserve.structured import Grammar, json_rule
 
 PYTHON_TAG = "<|python_tag|>"
 
 
-@register
 class Llama3(ToolFormat):
     name = "llama3"
     priority = 30

@@ -16,7 +16,6 @@ from quantserve.chat.formats import (
     call_schema,
     calls_grammar,
     one_of,
-    register,
     trigger_rule,
 )
 from quantserve.chat.reply import Event, JsonCallParser
@@ -37,7 +36,6 @@ def nine_char_id(call_id: str) -> str:
     return "".join(_ALNUM[(n >> (6 * i)) % len(_ALNUM)] for i in range(9))
 
 
-@register
 class Mistral(ToolFormat):
     name = "mistral"
     priority = 10

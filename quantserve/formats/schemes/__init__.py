@@ -1,8 +1,8 @@
 """Quantized HF checkpoints: one typed config class per quantization method, parsed once by detect().
 
-A scheme (GPTQ, AWQ, Marlin, compressed-tensors) is one module of this package holding one `@register`ed
-QuantScheme subclass; every module here is imported on first use, so a new method is one new file. The class
-owns everything the rest of quantserve asks about its method:
+A scheme (GPTQ, AWQ, Marlin, compressed-tensors) is one module of this package holding one QuantScheme subclass,
+listed in schemes() below: a new method is its file plus one line there. The class owns everything the rest of
+quantserve asks about its method:
 
 - `parse`: the quantization config into typed fields, refusing what quantserve cannot serve;
 - `check`: the tensor table against those fields (fingerprints and shapes), before any data is read;
@@ -16,11 +16,10 @@ and converters ask it, never the format name.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import fields
+from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from quantserve.formats.spec import SafetensorsTensor
@@ -82,20 +81,15 @@ class QuantScheme(ABC):
         return tuple(name for name, cls in schemes().items() if cls.cannot_hold(*self.weights()) is None)
 
 
-_SCHEMES: dict[str, type[QuantScheme]] = {}
-
-
-def register(cls: type[QuantScheme]) -> type[QuantScheme]:
-    _SCHEMES[cls.name] = cls
-    return cls
-
-
+@cache
 def schemes() -> dict[str, type[QuantScheme]]:
-    """Every scheme by format name (this package's modules imported the first time)."""
-    if not _SCHEMES:
-        for mod in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{mod.name}")
-    return _SCHEMES
+    """Every scheme by format name, each module imported on the first call."""
+    from quantserve.formats.schemes.awq import AWQ
+    from quantserve.formats.schemes.compressed_tensors import CompressedTensors
+    from quantserve.formats.schemes.gptq import GPTQ
+    from quantserve.formats.schemes.marlin import Marlin
+
+    return {cls.name: cls for cls in (AWQ, CompressedTensors, GPTQ, Marlin)}
 
 
 def scheme_for_method(method: str | None) -> type[QuantScheme] | None:

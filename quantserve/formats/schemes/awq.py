@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
-from quantserve.formats.schemes import QuantScheme, Tensors, register
+from quantserve.formats.schemes import QuantScheme, Tensors
 from quantserve.formats.schemes.fingerprint import expect, int_field, layers_marked, mismatch
 from quantserve.kernels.grouping import n_groups
 
@@ -18,7 +18,6 @@ VERSIONS = {
 }  # fmt: skip
 
 
-@register
 @dataclass(frozen=True)
 class AWQ(QuantScheme):
     name = "awq"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
-from quantserve.formats.schemes import QuantScheme, Tensors, register
+from quantserve.formats.schemes import QuantScheme, Tensors
 from quantserve.formats.schemes.fingerprint import describe_layer, int_field, layers_marked, mismatch
 from quantserve.kernels.grouping import SUPPORTED_BITS, n_groups
 
@@ -50,7 +50,6 @@ def _group(g: dict[str, Any], where: str) -> _Group:
     )
 
 
-@register
 @dataclass(frozen=True)
 class CompressedTensors(QuantScheme):
     name = "compressed-tensors"

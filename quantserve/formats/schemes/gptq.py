@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
-from quantserve.formats.schemes import QuantScheme, Tensors, register
+from quantserve.formats.schemes import QuantScheme, Tensors
 from quantserve.formats.schemes.fingerprint import expect, int_field, layers_marked, mismatch
 from quantserve.formats.schemes.marlin import Marlin
 from quantserve.kernels.grouping import SUPPORTED_BITS, n_groups
@@ -17,7 +17,6 @@ from quantserve.kernels.grouping import SUPPORTED_BITS, n_groups
 log = logging.getLogger(__name__)
 
 
-@register
 @dataclass(frozen=True)
 class GPTQ(QuantScheme):
     name = "gptq"

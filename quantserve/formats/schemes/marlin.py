@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
-from quantserve.formats.schemes import QuantScheme, Tensors, register
+from quantserve.formats.schemes import QuantScheme, Tensors
 from quantserve.formats.schemes.fingerprint import expect, int_field, layers_marked, mismatch
 from quantserve.kernels.grouping import n_groups
 
@@ -15,7 +15,6 @@ MARLIN_BITS = (4, 8)
 MARLIN_GROUPS = (-1, 32, 64, 128)  # vLLM's marlin_utils GPTQ_MARLIN_SUPPORTED_GROUP_SIZES
 
 
-@register
 @dataclass(frozen=True)
 class Marlin(QuantScheme):
     name = "marlin"

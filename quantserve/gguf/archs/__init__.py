@@ -1,16 +1,16 @@
-"""The architecture registry: per-arch tensor-name maps and config rules, shared by both conversion directions.
+"""The architecture registry: per-arch tensor-name maps and config rules, shared by both conversion directions,
+and which of them the torch backend's own model runs.
 
-An architecture is one `register(ArchSpec(...))` call in its own file in this package (every module here is
-imported on first use, so a new family is one new file); nothing here branches on names.
+An architecture is one ArchSpec in its own file in this package, listed in archs() below: a new family is its file
+plus one line there. Nothing here branches on names.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
@@ -61,19 +61,26 @@ class ArchSpec:
 
     gguf_arch: `general.architecture`.
     hf_model_types: config.json `model_type` values converted to this arch; the first is written back.
-    hf_architecture: config.json `architectures[0]` written by GGUF→HF.
+    hf_architectures: config.json `architectures[0]` of each of those model types, in the same order; the first
+        is written by GGUF→HF.
     permute_qk: llama.cpp's `undo_permute` (docs/gguf.md, "Q/K permutation"): q/k rows are interleaved in
         the GGUF.
     llama_kv: also write `{arch}.vocab_size` and `rope.dimension_count`, as llama.cpp's LlamaModel does.
+    torch: the torch backend's Transformer runs every model type of it (backends/torch/model.py).
     """
 
     gguf_arch: str
     hf_model_types: tuple[str, ...]
-    hf_architecture: str
+    hf_architectures: tuple[str, ...]
     permute_qk: bool
     layer_tensors: tuple[tuple[str, str], ...]
     llama_kv: bool = False
     config_extra: ConfigExtra = field(default=_no_extra)
+    torch: bool = False
+
+    @property
+    def hf_architecture(self) -> str:
+        return self.hf_architectures[0]
 
     def gguf_name(self, hf_name: str) -> str | None:
         """The GGUF tensor name for an HF one, or None for a tensor llama.cpp does not use."""
@@ -101,20 +108,23 @@ def language_model_name(hf_name: str) -> str | None:
     return hf_name.replace("language_model.", "")
 
 
-_ARCHS: dict[str, ArchSpec] = {}
-
-
-def register(spec: ArchSpec) -> ArchSpec:
-    _ARCHS[spec.gguf_arch] = spec
-    return spec
-
-
+@cache
 def archs() -> dict[str, ArchSpec]:
-    """Every registered architecture, by GGUF name (the package's modules imported the first time)."""
-    if not _ARCHS:
-        for mod in pkgutil.iter_modules(__path__):
-            importlib.import_module(f"{__name__}.{mod.name}")
-    return _ARCHS
+    """Every architecture by GGUF name, each module imported on the first call."""
+    from quantserve.gguf.archs.llama import LLAMA
+    from quantserve.gguf.archs.qwen import QWEN2, QWEN3
+
+    return {spec.gguf_arch: spec for spec in (LLAMA, QWEN2, QWEN3)}
+
+
+def torch_architectures() -> dict[str, str]:
+    """The HF `architectures` names the torch backend runs, each with its model type (its Transformer's family)."""
+    return {
+        name: model_type
+        for spec in archs().values()
+        if spec.torch
+        for name, model_type in zip(spec.hf_architectures, spec.hf_model_types, strict=True)
+    }
 
 
 def supported_hf_types() -> list[str]:
@@ -155,7 +165,7 @@ def arch_for_hf(config: Mapping[str, Any]) -> ArchSpec:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or [None]
     for spec in archs().values():
-        if model_type in spec.hf_model_types or architectures[0] == spec.hf_architecture:
+        if model_type in spec.hf_model_types or architectures[0] in spec.hf_architectures:
             return spec
     raise UnsupportedFormatError(
         f"config.json model_type {model_type!r} (architectures {architectures}) is not supported for conversion to "

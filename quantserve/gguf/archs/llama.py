@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from quantserve.gguf.archs import DENSE_LAYER, QKV_BIAS, ArchSpec, register
+from quantserve.gguf.archs import DENSE_LAYER, QKV_BIAS, ArchSpec
 
 
 def _llama_config(config: Mapping[str, Any], tensor_names: frozenset[str]) -> dict[str, Any]:
@@ -19,14 +19,13 @@ def _llama_config(config: Mapping[str, Any], tensor_names: frozenset[str]) -> di
 
 # MistralForCausalLM without sliding-window attention is the same network; llama.cpp's LlamaModel converts
 # both (conversion/llama.py registers "MistralForCausalLM") and ignores `sliding_window`, as we do.
-LLAMA = register(
-    ArchSpec(
-        gguf_arch="llama",
-        hf_model_types=("llama", "mistral"),
-        hf_architecture="LlamaForCausalLM",
-        permute_qk=True,
-        layer_tensors=DENSE_LAYER + QKV_BIAS,
-        llama_kv=True,
-        config_extra=_llama_config,
-    )
+LLAMA = ArchSpec(
+    gguf_arch="llama",
+    hf_model_types=("llama", "mistral"),
+    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    permute_qk=True,
+    layer_tensors=DENSE_LAYER + QKV_BIAS,
+    llama_kv=True,
+    config_extra=_llama_config,
+    torch=True,
 )

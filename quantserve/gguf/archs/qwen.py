@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from quantserve.gguf.archs import DENSE_LAYER, QKV_BIAS, ArchSpec, register
+from quantserve.gguf.archs import DENSE_LAYER, QKV_BIAS, ArchSpec
 
 QK_NORM = (
     ("self_attn.q_norm.weight", "attn_q_norm.weight"),
@@ -28,23 +28,21 @@ def _qwen3_config(config: Mapping[str, Any], tensor_names: frozenset[str]) -> di
     return {**_qwen_config(config, tensor_names), "attention_bias": False, "head_dim": head_dim}
 
 
-QWEN2 = register(
-    ArchSpec(
-        gguf_arch="qwen2",
-        hf_model_types=("qwen2",),
-        hf_architecture="Qwen2ForCausalLM",
-        permute_qk=False,
-        layer_tensors=DENSE_LAYER + QKV_BIAS,
-        config_extra=_qwen_config,
-    )
+QWEN2 = ArchSpec(
+    gguf_arch="qwen2",
+    hf_model_types=("qwen2",),
+    hf_architectures=("Qwen2ForCausalLM",),
+    permute_qk=False,
+    layer_tensors=DENSE_LAYER + QKV_BIAS,
+    config_extra=_qwen_config,
+    torch=True,
 )
-QWEN3 = register(
-    ArchSpec(
-        gguf_arch="qwen3",
-        hf_model_types=("qwen3",),
-        hf_architecture="Qwen3ForCausalLM",
-        permute_qk=False,
-        layer_tensors=DENSE_LAYER + QK_NORM,
-        config_extra=_qwen3_config,
-    )
+QWEN3 = ArchSpec(
+    gguf_arch="qwen3",
+    hf_model_types=("qwen3",),
+    hf_architectures=("Qwen3ForCausalLM",),
+    permute_qk=False,
+    layer_tensors=DENSE_LAYER + QK_NORM,
+    config_extra=_qwen3_config,
+    torch=True,
 )
