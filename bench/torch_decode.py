@@ -88,6 +88,7 @@ def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, runner) -
 
     def step() -> None:
         for s, tok in zip(seqs, runner.execute(plan), strict=True):
+            s.num_computed += 1  # the scheduler's part of a step
             s.tokens.append(tok.token)
 
     for _ in range(warmup):

@@ -129,14 +129,14 @@ def test_a_failing_backend_fails_the_streams_instead_of_hanging():
 
 def test_a_stream_that_fails_midway_ends_with_an_error_event_and_done():
     from quantserve.server.generation import event_stream
-    from quantserve.server.openai.routes import _openai_error
+    from quantserve.server.openai.routes import _Encoder
 
     async def chunks():
         yield b"data: {}\n\n"
         raise RuntimeError("backend exploded")
 
     async def main():
-        return [c async for c in event_stream(chunks(), _openai_error).body_iterator]
+        return [c async for c in event_stream(chunks(), _Encoder.error).body_iterator]
 
     out = asyncio.run(main())
     assert out[0] == b"data: {}\n\n" and b'"error"' in out[1] and b"backend exploded" in out[1]

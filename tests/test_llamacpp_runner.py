@@ -38,11 +38,18 @@ def _greedy(runner, placed: list[tuple[int, int]], steps: int) -> list[list[int]
         ids = [runner.batch.seq_id[i][0] for i in range(runner.batch.n_tokens)]
         assert ids == sorted(ids), f"batch not in seq id order: {ids}"
         for seq, r in zip(seqs, results, strict=True):
-            seq.tokens.append(r.token)
+            _step(seq, r)
     for s in seqs:
         runner.release(s)
     runner.drop_kv([DropKV(slot) for _, slot in placed])
     return [s.output_tokens for s in seqs]
+
+
+def _step(seq: Sequence, r) -> None:
+    """What the engine does after a step: every token is in the cache now (the scheduler's postprocess), and the
+    sampled one is appended."""
+    seq.num_computed = len(seq.tokens)
+    seq.tokens.append(r.token)
 
 
 def test_batch_is_written_in_seq_id_order_and_results_come_back_in_plan_order(runner):
@@ -62,7 +69,7 @@ def _continue(runner, tokens: list[int], slot: int, computed: int, steps: int) -
     seq.block_table, seq.num_computed = [slot], computed
     for _ in range(steps):
         (r,) = runner.execute([(seq, seq.num_uncomputed)])
-        seq.tokens.append(r.token)
+        _step(seq, r)
     runner.release(seq)
     return seq.output_tokens
 
@@ -86,7 +93,7 @@ def _generate(runner, prompt: str, params: SamplingParams, steps: int) -> list[i
     seq.block_table = [0]
     for _ in range(steps):
         (r,) = runner.execute([(seq, seq.num_uncomputed)])
-        seq.tokens.append(r.token)
+        _step(seq, r)
     runner.release(seq)
     runner.drop_kv([DropKV(0)])
     return seq.output_tokens

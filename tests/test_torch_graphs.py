@@ -73,6 +73,7 @@ def decode_run(model, device: torch.device, mode: str, steps: int = 12):
     logits = []
     for s in seqs:
         (tok,) = runner.execute([(s, len(s.tokens))])
+        s.num_computed = len(s.tokens)  # what the scheduler does after a step
         s.tokens.append(tok.token)
         out[int(s.request_id)].append(tok.token)
     live = list(seqs)
@@ -97,6 +98,7 @@ def decode_run(model, device: torch.device, mode: str, steps: int = 12):
         runner.sampler.sample = original
         logits.append(capture["logits"])
         for s, tok in zip(live, toks, strict=True):
+            s.num_computed += 1
             s.tokens.append(tok.token)
             out[int(s.request_id)].append(tok.token)
     runner.test_seqs = seqs

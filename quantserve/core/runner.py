@@ -110,8 +110,9 @@ class ModelRunner(Tokenizer, Protocol):
 
     def execute(self, plan: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
         """Feed the first n uncomputed tokens of each planned sequence in one batch, their K/V into the cache at
-        their block tables, and advance num_computed. For each sequence whose tokens are then all computed, sample
-        its next token; the others get None."""
+        their block tables. For each sequence whose tokens are then all computed (num_computed + n is all of
+        them), sample its next token; the others get None. A runner never writes num_computed: the scheduler
+        advances it once the step has run (Scheduler.postprocess)."""
         ...
 
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:

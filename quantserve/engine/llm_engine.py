@@ -63,6 +63,7 @@ class LLMEngine:
                 self.runner.release(victim, keep_sampler=True)
                 self._drop_kv()
             return []
+        self.scheduler.postprocess(plan)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "step: %d sequences, %d tokens, %.1f ms",

@@ -94,6 +94,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return seq
 
+    def postprocess(self, plan: list[tuple[Sequence, int]]) -> None:
+        """After the runner has executed `plan`: each sequence's n tokens are in the cache now. The one place that
+        advances num_computed (the KV ledger sets it only to a cached prefix, or back to 0 on preemption)."""
+        for seq, n in plan:
+            seq.num_computed += n
+
     def preempt_newest(self) -> Sequence | None:
         return self._preempt(self.running[-1]) if self.running else None
 

@@ -157,7 +157,7 @@ class LlamaCppRunner:
         self._pieces: list[bytes | None] = [None] * self.n_vocab
         self._special_pieces: list[bytes | None] = [None] * self.n_vocab
         self._eog = {t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)}
-        self._samplers: dict[int, SamplerChain] = {}  # id(Sequence) -> chain
+        self._samplers: dict[int, SamplerChain] = {}  # Sequence.seq_id -> chain
         self._embed_ctx = None
         self.vision: VisionSpec | None = None
         self._images: ImageDecoder | None = None
@@ -318,8 +318,7 @@ class LlamaCppRunner:
         if rc != 0:
             raise KVCacheFull() if rc == 1 else RuntimeError(f"llama_decode failed with code {rc}")
         results: list[SampledToken | None] = []
-        for (seq, n), idx in zip(plan, out_idx, strict=True):
-            seq.num_computed += n
+        for (seq, _), idx in zip(plan, out_idx, strict=True):
             if idx < 0:
                 results.append(None)
                 continue
@@ -343,14 +342,13 @@ class LlamaCppRunner:
     def _execute_with_images(self, seq: Sequence, n: int) -> SampledToken | None:
         assert self._images is not None, "images sent to a text model"
         row = self._images.decode(self.ctx, self.batch, seq, n)
-        seq.num_computed += n
-        return self._sample(seq, row) if seq.num_computed == len(seq.tokens) else None
+        return self._sample(seq, row) if seq.num_computed + n == len(seq.tokens) else None
 
     def _sampler(self, seq: Sequence) -> SamplerChain:
-        chain = self._samplers.get(id(seq))
+        chain = self._samplers.get(seq.seq_id)
         if chain is None:
             chain = SamplerChain(self.vocab, self.n_vocab, seq.params)
-            self._samplers[id(seq)] = chain
+            self._samplers[seq.seq_id] = chain
         return chain
 
     @staticmethod
@@ -368,7 +366,7 @@ class LlamaCppRunner:
 
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:
-            chain = self._samplers.pop(id(seq), None)
+            chain = self._samplers.pop(seq.seq_id, None)
             if chain is not None:
                 chain.close()
 

@@ -195,8 +195,6 @@ class TorchRunner:
         results: list[SampledToken | None] = [None] * len(plan)
         for k, tok in zip(step.sampled, sampled, strict=True):
             results[k] = tok
-        for seq, n in plan:
-            seq.num_computed += n
         self.tokens_computed += len(step.positions)
         return results
 

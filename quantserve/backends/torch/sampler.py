@@ -175,7 +175,7 @@ class Sampler:
     def __init__(self, device: torch.device | str = "cpu", n_vocab: int | None = None):
         self.device = torch.device(device)
         self.n_vocab = n_vocab
-        self._states: dict[str, _SeqState] = {}  # request_id -> state
+        self._states: dict[int, _SeqState] = {}  # Sequence.seq_id -> state
 
     def __len__(self) -> int:
         return len(self._states)
@@ -191,18 +191,18 @@ class Sampler:
         check_params(p, self.n_vocab)
         seed = p.seed if p.seed is not None else random.getrandbits(63)
         gen = torch.Generator().manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self._states[seq.request_id] = _SeqState(p, gen)
+        self._states[seq.seq_id] = _SeqState(p, gen)
 
     def remove(self, seq: Sequence) -> None:
         """Forget the sequence (idempotent). A preempted sequence that will recompute keeps its state instead,
         so its random stream continues where it stopped."""
-        self._states.pop(seq.request_id, None)
+        self._states.pop(seq.seq_id, None)
 
     def _state(self, seq: Sequence) -> _SeqState:
-        st = self._states.get(seq.request_id)
+        st = self._states.get(seq.seq_id)
         if st is None:
             self.add(seq)
-            st = self._states[seq.request_id]
+            st = self._states[seq.seq_id]
         return st
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:

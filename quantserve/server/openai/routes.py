@@ -130,7 +130,8 @@ class _Encoder:
             )
         return tail
 
-    def error(self, message: str) -> list[bytes]:
+    @staticmethod
+    def error(message: str) -> list[bytes]:
         return [sse(error_body(message, "server_error")), b"data: [DONE]\n\n"]
 
 
