@@ -54,12 +54,12 @@ def _silu_mul(x_ptr, out_ptr, I, BLOCK: tl.constexpr):  # noqa: E741 - the inter
 
 
 def _rope_cache(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cell_ptr, kc_ptr, vc_ptr,
     stride_qt, stride_kt, stride_vt, stride_ct,
     H, KV, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Token program_id(0): rotate its q heads in place (HF's rotate_half layout, cos/sin [T, 2 HALF] fp32) and
-    write its rotated k and its v into cache slot slot_mapping[t]."""
+    write its rotated k and its v into cache cell cell_index[t]."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF)
     cos1 = tl.load(cos_ptr + t * 2 * HALF + d)
@@ -76,14 +76,14 @@ def _rope_cache(
     o2 = x2.to(tl.float32) * cos2[None, :] + x1.to(tl.float32) * sin2[None, :]
     tl.store(qp, o1.to(x1.dtype), mask=hm)
     tl.store(qp + HALF, o2.to(x1.dtype), mask=hm)
-    slot = tl.load(slot_ptr + t)
+    cell = tl.load(cell_ptr + t)
     km = (h < KV)[:, None]
     kp = k_ptr + t * stride_kt + h[:, None] * (2 * HALF) + d[None, :]
     k1 = tl.load(kp, mask=km, other=0.0)
     k2 = tl.load(kp + HALF, mask=km, other=0.0)
     r1 = k1.to(tl.float32) * cos1[None, :] + (-k2).to(tl.float32) * sin1[None, :]
     r2 = k2.to(tl.float32) * cos2[None, :] + k1.to(tl.float32) * sin2[None, :]
-    cp = slot * stride_ct + h[:, None] * (2 * HALF) + d[None, :]
+    cp = cell * stride_ct + h[:, None] * (2 * HALF) + d[None, :]
     tl.store(kc_ptr + cp, r1.to(k1.dtype), mask=km)
     tl.store(kc_ptr + cp + HALF, r2.to(k1.dtype), mask=km)
     vp = v_ptr + t * stride_vt + h[:, None] * (2 * HALF) + d[None, :]
@@ -171,12 +171,12 @@ def rope_and_cache(
     v: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    cell_index: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> torch.Tensor:
     """Rotate q [T, H, D] in place and k [T, KV, D] (cos/sin fp32 [T, D], HF's halves layout), and write k and v
-    [T, KV, D] into the caches [slots, KV, D] at slot_mapping [T]. Returns q. Each tensor's heads and head
+    [T, KV, D] into the caches [cells, KV, D] at cell_index [T]. Returns q. Each tensor's heads and head
     dimension must be contiguous (a split of a fused q|k|v output is)."""
     t, n_heads, dim = q.shape
     n_kv = k.shape[1]
@@ -187,19 +187,19 @@ def rope_and_cache(
         raise ValueError(f"rope_and_cache needs a power-of-two head size; got {dim}")
     if t:
         _kernels(_interp(q))[2][(t,)](
-            q, k, v, cos.contiguous(), sin.contiguous(), slot_mapping, k_cache, v_cache,
+            q, k, v, cos.contiguous(), sin.contiguous(), cell_index, k_cache, v_cache,
             q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0),
             n_heads, n_kv, HALF=dim // 2, BLOCK_H=_pow2(max(n_heads, n_kv)),
         )  # fmt: skip
     return q
 
 
-def rope_and_cache_ref(q, k, v, cos, sin, slot_mapping, k_cache, v_cache) -> torch.Tensor:
+def rope_and_cache_ref(q, k, v, cos, sin, cell_index, k_cache, v_cache) -> torch.Tensor:
     def rot(x):
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
         return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
 
-    k_cache[slot_mapping] = rot(k)
-    v_cache[slot_mapping] = v
+    k_cache[cell_index] = rot(k)
+    v_cache[cell_index] = v
     return rot(q)

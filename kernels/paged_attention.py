@@ -1,7 +1,7 @@
 """Decode attention over a paged KV cache, reading each sequence's block table directly (vLLM's paged_attention).
 
 One query token per sequence attends to its whole context, which lives in fixed-size blocks of the cache:
-position p of sequence b is cache slot `block_tables[b, p // block_size] * block_size + p % block_size`. The
+position p of sequence b is cache cell `block_tables[b, p // block_size] * block_size + p % block_size`. The
 engine then needs no per-step gather of every context position (a [B, C] index built on the host, a K/V copy
 per layer), and the inputs have fixed shapes (block tables padded to a width, lengths as a tensor), which is what a
 CUDA graph needs: the loop bound is read from `context_lens` on the device.
@@ -58,8 +58,8 @@ def _paged_decode(
         pos = start + n
         p_mask = pos < ctx
         blk = tl.load(bt_ptr + b * stride_bt + pos // block_size, mask=p_mask, other=0)
-        slot = blk.to(tl.int64) * block_size + pos % block_size
-        kv_off = slot[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        cell = blk.to(tl.int64) * block_size + pos % block_size
+        kv_off = cell[:, None] * stride_kt + kvh * stride_kh + d[None, :]
         kv_mask = p_mask[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -126,10 +126,10 @@ def paged_decode_attention(
 
     Args:
         q: [B, H, D] queries (fp16, bf16 or fp32), H a multiple of the KV heads.
-        k_cache, v_cache: [num_slots, KV, D] one layer's cache, same dtype as q; slot = block * block_size + offset.
+        k_cache, v_cache: [num_cells, KV, D] one layer's cache, same dtype as q; cell = block * block_size + offset.
         block_tables: int32 [B, W], each row the sequence's blocks in order (entries past its length unread).
         context_lens: int32 [B] positions to attend to, the new token's own included (>= 1).
-        block_size: cache slots per block.
+        block_size: cache cells per block.
         scale: multiplies the scores (1 / sqrt(D) for plain attention).
 
     Returns:

@@ -19,8 +19,8 @@ from quantserve.formats.hf_config import find_chat_template
 from quantserve.llm import LLM
 from quantserve.registry import load_registry, resolve
 from quantserve.rerank import rerank_kind
-from quantserve.server.catalog import model_card, slot_card
-from quantserve.server.slot import Slot
+from quantserve.server.catalog import model_card, served_card
+from quantserve.server.served import Served
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,9 +79,9 @@ def test_a_template_only_in_chat_template_json_gives_chats_everywhere(tiny_hf):
     rows = _inspect(tiny_hf, "--backend", "torch")
     assert rows["chat template"] == [plan.template.origin]
     assert rows["capabilities"] == [", ".join(plan.capabilities)]
-    slot = Slot("tiny", None, EngineSettings())  # a router's slot before the model loads
-    slot.set_plan(plan)
-    assert slot_card(slot)["capabilities"] == list(plan.capabilities)
+    served = Served("tiny", None, EngineSettings())  # a router's served before the model loads
+    served.set_plan(plan)
+    assert served_card(served)["capabilities"] == list(plan.capabilities)
     llm = LLM.load(_resolved(tiny_hf), EngineSettings(backend="torch", ctx_size=256))
     try:
         assert model_card(llm)["capabilities"] == list(plan.capabilities)

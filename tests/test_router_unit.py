@@ -15,7 +15,7 @@ from quantserve.errors import InvalidRequestError, ModelFileError, ModelLoadingE
 from quantserve.registry import ModelEntry, ResolvedModel
 from quantserve.server.metrics import Metrics
 from quantserve.server.router import ModelRouter
-from quantserve.server.slot import Slot
+from quantserve.server.served import Served
 
 
 class FakeLLM:
@@ -47,23 +47,23 @@ def loads(monkeypatch):
     return calls
 
 
-def _slot(name: str, **kw) -> Slot:
+def _served(name: str, **kw) -> Served:
     resolved = ResolvedModel(name, Path(f"/models/{name}.gguf"), ModelEntry(source=name))
-    return Slot(name, resolved, EngineSettings(), names=frozenset({name}), **kw)
+    return Served(name, resolved, EngineSettings(), names=frozenset({name}), **kw)
 
 
-def _router(*slots: Slot, **kw) -> ModelRouter:
-    return ModelRouter(list(slots), Metrics(), **kw)
+def _router(*served_models: Served, **kw) -> ModelRouter:
+    return ModelRouter(list(served_models), Metrics(), **kw)
 
 
 def test_concurrent_first_requests_share_one_load(loads):
     async def main():
-        r = _router(_slot("slow-a"))
+        r = _router(_served("slow-a"))
         leases: list = []
         got = await asyncio.gather(*(r.acquire(leases, "slow-a") for _ in range(8)))
-        assert len({id(x) for x in got}) == 1 and r.slots["slow-a"].leases == 8
+        assert len({id(x) for x in got}) == 1 and r.served_models["slow-a"].leases == 8
         r.release(leases)
-        assert r.slots["slow-a"].leases == 0 and r.slots["slow-a"].idle.is_set()
+        assert r.served_models["slow-a"].leases == 0 and r.served_models["slow-a"].idle.is_set()
 
     asyncio.run(main())
     assert loads == ["slow-a"]
@@ -71,17 +71,17 @@ def test_concurrent_first_requests_share_one_load(loads):
 
 def test_lru_unloads_the_least_recently_used_idle_model_and_never_a_pinned_one(loads):
     async def main():
-        r = _router(_slot("p", pinned=True), _slot("a"), _slot("b"), models_max=2)
+        r = _router(_served("p", pinned=True), _served("a"), _served("b"), models_max=2)
         r.start()  # loads the pinned one
         await asyncio.sleep(0.1)
-        assert r.slots["p"].status == "loaded"
+        assert r.served_models["p"].status == "loaded"
         held: list = []
         a = await r.acquire(held, "a")  # room: p + a
-        assert r.slots["a"].status == "loaded"
+        assert r.served_models["a"].status == "loaded"
         r.release(held)
         await r.acquire(held, "b")  # p is pinned: a goes
         r.release(held)
-        assert (r.slots["a"].status, r.slots["b"].status, r.slots["p"].status) == (
+        assert (r.served_models["a"].status, r.served_models["b"].status, r.served_models["p"].status) == (
             "unloaded",
             "loaded",
             "loaded",
@@ -94,32 +94,32 @@ def test_lru_unloads_the_least_recently_used_idle_model_and_never_a_pinned_one(l
 
 def test_a_model_in_use_unloads_only_after_its_requests_finish(loads):
     async def main():
-        r = _router(_slot("a"), _slot("b"), models_max=1)
+        r = _router(_served("a"), _served("b"), models_max=1)
         held_a: list = []
         a = await r.acquire(held_a, "a")
         b_task = asyncio.create_task(r.acquire([], "b"))
         await asyncio.sleep(0.2)
-        assert not a.closed and r.slots["a"].status == "unloading" and not b_task.done()
+        assert not a.closed and r.served_models["a"].status == "unloading" and not b_task.done()
         # a new request for "a" waits for the unload (and would then load it again)
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(r.acquire([], "a"), 0.05)
         r.release(held_a)  # the request in flight ends
         await asyncio.wait_for(b_task, 5)
-        assert a.closed and r.slots["b"].status == "loaded"
+        assert a.closed and r.served_models["b"].status == "loaded"
 
     asyncio.run(main())
 
 
 def test_idle_models_go_before_busy_ones(loads):
     async def main():
-        r = _router(_slot("a"), _slot("b"), _slot("c"), models_max=2)
+        r = _router(_served("a"), _served("b"), _served("c"), models_max=2)
         busy: list = []
         await r.acquire(busy, "a")  # oldest, but in use
         held: list = []
         await r.acquire(held, "b")
         r.release(held)
         await r.acquire(held, "c")
-        assert (r.slots["a"].status, r.slots["b"].status) == ("loaded", "unloaded")
+        assert (r.served_models["a"].status, r.served_models["b"].status) == ("loaded", "unloaded")
 
     asyncio.run(main())
 
@@ -130,7 +130,7 @@ def test_memory_budget_unloads_until_the_next_model_fits(loads, monkeypatch):
     async def main():
         mib = 2**20
         r = _router(
-            _slot("a", estimate=400 * mib), _slot("b", estimate=400 * mib), _slot("c", estimate=500 * mib),
+            _served("a", estimate=400 * mib), _served("b", estimate=400 * mib), _served("c", estimate=500 * mib),
             memory_budget=1000 * mib,
         )  # fmt: skip
         held: list = []
@@ -138,14 +138,14 @@ def test_memory_budget_unloads_until_the_next_model_fits(loads, monkeypatch):
             await r.acquire(held, name)
             r.release(held)
         await r.acquire(held, "c")  # 400 + 400 + 500 > 1000: a (least recently used) goes, b stays
-        assert [s.status for s in r.slots.values()] == ["unloaded", "loaded", "loaded"]
+        assert [s.status for s in r.served_models.values()] == ["unloaded", "loaded", "loaded"]
 
     asyncio.run(main())
 
 
 def test_all_pinned_refuses_with_the_reason(loads):
     async def main():
-        r = _router(_slot("p", pinned=True), _slot("a"), models_max=1)
+        r = _router(_served("p", pinned=True), _served("a"), models_max=1)
         r.start()
         await asyncio.sleep(0.1)
         with pytest.raises(ModelLoadingError, match="models-max 1.*pinned"):
@@ -158,11 +158,14 @@ def test_all_pinned_refuses_with_the_reason(loads):
 
 def test_a_failed_load_answers_each_waiter_with_the_cause_and_is_retried_later(loads, monkeypatch):
     async def main():
-        r = _router(_slot("bad"), _slot("ok"))
+        r = _router(_served("bad"), _served("ok"))
         results = await asyncio.gather(*(r.acquire([], "bad") for _ in range(3)), return_exceptions=True)
         assert all(isinstance(e, ModelLoadingError) and "truncated" in e.message for e in results)
         assert results[0].http_status == 503 and results[0].code == "model_load_failed"
-        assert r.slots["bad"].status == "unloaded" and "truncated" in r.slots["bad"].error.message
+        assert (
+            r.served_models["bad"].status == "unloaded"
+            and "truncated" in r.served_models["bad"].error.message
+        )
         assert await r.acquire([], "ok")
         with pytest.raises(ModelLoadingError, match="truncated"):  # at once, no load: the failure is fresh
             await r.acquire([], "bad")
@@ -181,27 +184,27 @@ def test_a_model_over_the_whole_budget_is_refused_without_unloading_anything(loa
     monkeypatch.setattr("quantserve.server.memory.free_bytes", lambda backend: None)
 
     async def main():
-        r = _router(_slot("a", estimate=2**20), _slot("big", estimate=2**31), memory_budget=2**30)
+        r = _router(_served("a", estimate=2**20), _served("big", estimate=2**31), memory_budget=2**30)
         await r.acquire([], "a")
         with pytest.raises(ModelLoadingError, match="more than --memory-budget 1024 MiB on its own"):
             await r.acquire([], "big")
-        assert r.slots["a"].status == "loaded"
+        assert r.served_models["a"].status == "loaded"
 
     asyncio.run(main())
 
 
 def test_keep_alive_unloads_an_idle_model(loads):
     async def main():
-        r = _router(_slot("a", keep_alive=0.5), _slot("b"))
+        r = _router(_served("a", keep_alive=0.5), _served("b"))
         r.start()
         held: list = []
         await r.acquire(held, "a")
         await r.acquire(held, "b")
         await asyncio.sleep(1.8)
-        assert r.slots["a"].status == "loaded"  # in use: never idled out
+        assert r.served_models["a"].status == "loaded"  # in use: never idled out
         r.release(held)
         await asyncio.sleep(1.8)
-        assert (r.slots["a"].status, r.slots["b"].status) == ("unloaded", "loaded")
+        assert (r.served_models["a"].status, r.served_models["b"].status) == ("unloaded", "loaded")
         r.stop()
 
     asyncio.run(main())
@@ -209,24 +212,26 @@ def test_keep_alive_unloads_an_idle_model(loads):
 
 def test_a_cancelled_waiter_gives_its_lease_back(loads):
     async def main():
-        r = _router(_slot("slow-a"))
+        r = _router(_served("slow-a"))
         waiter = asyncio.create_task(r.acquire([], "slow-a"))
         await asyncio.sleep(0.05)
         waiter.cancel()  # the client left during the load
         await asyncio.sleep(0.5)
-        slot = r.slots["slow-a"]
-        assert slot.status == "loaded" and slot.leases == 0 and slot.pending == 0 and slot.idle.is_set()
+        served = r.served_models["slow-a"]
+        assert (
+            served.status == "loaded" and served.leases == 0 and served.pending == 0 and served.idle.is_set()
+        )
 
     asyncio.run(main())
 
 
 def test_names_any_case_aliases_and_a_default(loads):
-    r = _router(_slot("a"), _slot("b"), default="b")
+    r = _router(_served("a"), _served("b"), default="b")
     assert r.find("A").name == "a" and r.find(None).name == "b"
     with pytest.raises(ModelNotFoundError, match="serves a, b"):
         r.find("c")
     with pytest.raises(InvalidRequestError, match="'model' is required"):
-        _router(_slot("a"), _slot("b")).find(None)
+        _router(_served("a"), _served("b")).find(None)
 
 
 def test_the_kv_estimate_reads_per_layer_head_counts(smollm2_gguf, tmp_path):
@@ -253,40 +258,40 @@ def test_a_client_unload_waits_for_the_request_and_a_single_model_server_loads_a
     """Ollama's keep_alive 0: the model unloads once the asking request is done; a single-model server, which
     otherwise answers 503 while its model is not loaded, loads it on the next request. A pinned models.toml entry
     stays, and so does a model handed over already loaded (nothing could load it again)."""
-    monkeypatch.setattr("quantserve.server.slot.plan_facts", lambda plan: {"context_length": plan.n_ctx})
+    monkeypatch.setattr("quantserve.server.served.plan_facts", lambda plan: {"context_length": plan.n_ctx})
 
     async def main():
-        r = _router(_slot("one", pinned=True), single=True)
+        r = _router(_served("one", pinned=True), single=True)
         r.start()
         await asyncio.sleep(0.1)
         held: list = []
         first = await r.acquire(held, "one")
-        slot = r.slots["one"]
-        assert r.unload_on_request(slot, "keep_alive=0")
+        served = r.served_models["one"]
+        assert r.unload_on_request(served, "keep_alive=0")
         await asyncio.sleep(0.05)
-        assert slot.status == "unloading" and not first.closed  # the request still holds it
+        assert served.status == "unloading" and not first.closed  # the request still holds it
         r.release(held)
-        await asyncio.wait_for(asyncio.shield(slot.task), 5)
-        assert first.closed and slot.status == "unloaded" and slot.facts == {"context_length": 64}
+        await asyncio.wait_for(asyncio.shield(served.task), 5)
+        assert first.closed and served.status == "unloaded" and served.facts == {"context_length": 64}
         again = await r.acquire(held, "one")
-        assert again is not first and slot.status == "loaded"
+        assert again is not first and served.status == "loaded"
         r.release(held)
         # a client's keep_alive duration: the reaper unloads it once idle that long
-        r.set_keep_alive(slot, 0.2)
+        r.set_keep_alive(served, 0.2)
         for _ in range(40):
             await asyncio.sleep(0.1)
-            if slot.status == "unloaded":
+            if served.status == "unloaded":
                 break
-        assert again.closed and slot.status == "unloaded"
+        assert again.closed and served.status == "unloaded"
         await r.acquire(held, "one")
         r.release(held)
         r.stop()
 
-        pinned = _router(_slot("p", pinned=True), _slot("a"))
+        pinned = _router(_served("p", pinned=True), _served("a"))
         pinned.start()
         await asyncio.sleep(0.1)
-        assert not pinned.unload_on_request(pinned.slots["p"], "keep_alive=0")
-        given = Slot("g", None, EngineSettings(), pinned=True, names=frozenset({"g"}))
+        assert not pinned.unload_on_request(pinned.served_models["p"], "keep_alive=0")
+        given = Served("g", None, EngineSettings(), pinned=True, names=frozenset({"g"}))
         given.llm, given.status = FakeLLM("g"), "loaded"
         assert not _router(given, single=True).unload_on_request(given, "keep_alive=0")
 

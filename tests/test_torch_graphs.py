@@ -52,7 +52,7 @@ def decode_run(model, device: torch.device, mode: str, steps: int = 12):
     """Greedy tokens of five sequences (prefilled alone, then decoded together; two finish early, so the batch
     shrinks from 5 to 3 and a smaller bucket reuses rows a larger step left), each step's logits, and the runner.
 
-    mode: "gather" (eager, slots gathered for SDPA, PyTorch ops), "kernel" (eager, paged kernel and the fused
+    mode: "gather" (eager, cells gathered for SDPA, PyTorch ops), "kernel" (eager, paged kernel and the fused
     kernels), "buffers" (the graphs' static buffers run eagerly) or "graphs" (captured CUDA graphs)."""
     settings = EngineSettings.from_options(
         ctx_size=128, max_num_seqs=5, kv_size=1024, cuda_graphs=mode == "graphs"
@@ -105,8 +105,8 @@ def decode_run(model, device: torch.device, mode: str, steps: int = 12):
     return out, logits, runner
 
 
-def only_own_slots_written(runner: TorchRunner, scratch_ok: bool) -> None:
-    """Every cache slot is zero but those holding a sequence's computed positions (and the scratch block's): a
+def only_own_cells_written(runner: TorchRunner, scratch_ok: bool) -> None:
+    """Every cache cell is zero but those holding a sequence's computed positions (and the scratch block's): a
     sequence that left the batch gets no writes after it left, as its blocks may be someone else's by then."""
     bs = runner.block_size
     written = torch.zeros(runner.model.model.layers[0].self_attn.cache.k.shape[0], dtype=torch.bool)
@@ -119,7 +119,7 @@ def only_own_slots_written(runner: TorchRunner, scratch_ok: bool) -> None:
     for layer in runner.model.model.layers:
         for cache in (layer.self_attn.cache.k, layer.self_attn.cache.v):
             stray = cache.cpu().flatten(1).any(1) & ~written
-            assert not stray.any(), f"slots {stray.nonzero().flatten().tolist()[:8]} were written"
+            assert not stray.any(), f"cells {stray.nonzero().flatten().tolist()[:8]} were written"
 
 
 def test_capture_sizes():
@@ -134,12 +134,12 @@ def test_static_buffers_give_the_eager_tokens(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = tiny_model(torch.float32, torch.device("cpu"), int4=False)
     want, want_logits, eager = decode_run(model, torch.device("cpu"), "gather")
-    only_own_slots_written(eager, scratch_ok=False)  # now: the next runner gives the model its own cache
+    only_own_cells_written(eager, scratch_ok=False)  # now: the next runner gives the model its own cache
     got, got_logits, buffered = decode_run(model, torch.device("cpu"), "buffers")
     assert got == want
     for a, b in zip(got_logits, want_logits, strict=True):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
-    only_own_slots_written(buffered, scratch_ok=True)
+    only_own_cells_written(buffered, scratch_ok=True)
 
 
 @pytest.mark.cuda
@@ -158,4 +158,4 @@ def test_cuda_decode_gives_the_gather_tokens(int4, mode):
         # fp16 with other kernels and other summation orders: within a few fp16 ulps of the logits' scale (an
         # H100 run measured 0.031 on logits of scale 23, 1.4e-3 of it)
         assert (a - b).abs().max() <= 4e-3 * b.abs().max(), (a - b).abs().max()
-    only_own_slots_written(runner, scratch_ok=True)
+    only_own_cells_written(runner, scratch_ok=True)

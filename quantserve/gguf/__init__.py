@@ -22,5 +22,7 @@ def __getattr__(name: str) -> Any:
         from quantserve.gguf.mmproj import hf_to_mmproj as found
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = found  # importing the submodule hf_to_gguf bound its name to the module: the function wins
+    globals()[name] = (
+        found  # importing the submodule hf_to_gguf bound its name to the module: the function wins
+    )
     return found

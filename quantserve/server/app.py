@@ -18,7 +18,7 @@ from quantserve import __version__
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.anthropic import routes as anthropic_routes
-from quantserve.server.catalog import build_router, model_card, slot_card
+from quantserve.server.catalog import build_router, model_card, served_card
 from quantserve.server.errors import error_response, install_error_handlers
 from quantserve.server.metrics import Metrics
 from quantserve.server.middleware import (
@@ -116,16 +116,18 @@ def create_app(
     @app.get("/readyz")
     async def ready():
         if not router.single:  # the router is up; each model's own state is in /v1/models
-            return {"status": "ready", "models": {s.name: s.status for s in router.slots.values()}}
-        slot = next(iter(router.slots.values()))
-        if slot.llm is not None:
-            return {"status": "ready", "model": slot.llm.name}
-        if slot.parked and slot.error is None:  # unloaded at a client's request; the next request loads it
-            return {"status": "ready", "model": slot.name, "model_status": slot.status}
-        if slot.error is not None:
+            return {"status": "ready", "models": {s.name: s.status for s in router.served_models.values()}}
+        served = next(iter(router.served_models.values()))
+        if served.llm is not None:
+            return {"status": "ready", "model": served.llm.name}
+        if (
+            served.parked and served.error is None
+        ):  # unloaded at a client's request; the next request loads it
+            return {"status": "ready", "model": served.name, "model_status": served.status}
+        if served.error is not None:
             return error_response(
                 503,
-                f"the model failed to load: {slot.error.message}",
+                f"the model failed to load: {served.error.message}",
                 "server_error",
                 code="model_load_failed",
             )
@@ -146,18 +148,18 @@ def create_app(
     @app.get("/v1/models")
     async def list_models():
         if router.single:
-            only = next(iter(router.slots.values()))
+            only = next(iter(router.served_models.values()))
             if only.parked and only.llm is None:  # unloaded at a client's request: say so
-                return {"object": "list", "data": [slot_card(only)]}
+                return {"object": "list", "data": [served_card(only)]}
             return {"object": "list", "data": [model_card(router.single_llm())]}
-        return {"object": "list", "data": [slot_card(s) for s in router.slots.values()]}
+        return {"object": "list", "data": [served_card(s) for s in router.served_models.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        slot = router.find(model_id)
-        if router.single and not (slot.parked and slot.llm is None):
+        served = router.find(model_id)
+        if router.single and not (served.parked and served.llm is None):
             return model_card(router.single_llm())
-        return slot_card(slot)
+        return served_card(served)
 
     @app.post("/models/load")
     async def load_model(body: ModelAction, request: Request):
@@ -169,7 +171,7 @@ def create_app(
         leases: list = []
         await router.acquire(leases, body.model)
         router.release(leases)
-        return slot_card(router.find(body.model))
+        return served_card(router.find(body.model))
 
     @app.post("/models/unload")
     async def unload_model(body: ModelAction):
@@ -178,7 +180,7 @@ def create_app(
             raise InvalidRequestError(
                 "this server serves one model; unloading is for router mode", param="model"
             )
-        return slot_card(await router.unload(body.model))
+        return served_card(await router.unload(body.model))
 
     # Innermost first (the last added runs first): metrics see every status, the key check runs before bodies are
     # read, and a request's leases are given back after its response has been sent.

@@ -1,5 +1,5 @@
-"""The models a server's settings ask for, as router slots: one MODEL, or models.toml's entries (router mode),
-each with what is known before it loads (context length, backend, inputs, memory estimate)."""
+"""The models a server's settings ask for, as the router's served models: one MODEL, or models.toml's entries
+(router mode), each with what is known before it loads (context length, backend, inputs, memory estimate)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from quantserve.registry import (
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
 from quantserve.server.router import ModelRouter
+from quantserve.server.served import Served, ServedInfo
 from quantserve.server.settings import ServerSettings
-from quantserve.server.slot import Slot, SlotInfo
 
 log = logging.getLogger("quantserve.server")
 
@@ -32,38 +32,38 @@ def _names(resolved: ResolvedModel) -> frozenset[str]:
     return frozenset(n.lower() for n in (resolved.name, resolved.path.name, *resolved.entry.aliases))
 
 
-def _router_slot(name: str, registry, base: EngineSettings, keep_alive: float | None) -> Slot:
+def _router_served(name: str, registry, base: EngineSettings, keep_alive: float | None) -> Served:
     entry = registry.entries[name]
     idle = keep_alive if entry.keep_alive is None else parse_duration(entry.keep_alive, "keep_alive")
     # a torch model on CUDA takes the KV cache it needs, not the free memory: other models share the GPU
     settings = replace(base, torch=replace(base.torch, kv_fill_gpu=False))
 
-    def setup() -> SlotInfo:
+    def setup() -> ServedInfo:
         resolved = resolve(name, registry)
-        return SlotInfo(resolved, LLM.plan_for(resolved, settings), _names(resolved))
+        return ServedInfo(resolved, LLM.plan_for(resolved, settings), _names(resolved))
 
     def preflight() -> None:
         """The model planned again (its files may have changed since startup), and the plan's checks run (a GGUF
         that llama.cpp loads as it is gets its probe, cached), before any model unloads for it."""
-        assert slot.resolved is not None
-        slot.set_plan(LLM.plan_for(slot.resolved, settings))
-        LLM.check(slot.plan)
+        assert served.resolved is not None
+        served.set_plan(LLM.plan_for(served.resolved, settings))
+        LLM.check(served.plan)
 
-    slot = Slot(name, None, settings, entry.pin, idle, setup=setup, preflight=preflight)
-    slot.names = frozenset(n.lower() for n in (name, *entry.aliases))
+    served = Served(name, None, settings, entry.pin, idle, setup=setup, preflight=preflight)
+    served.names = frozenset(n.lower() for n in (name, *entry.aliases))
     if is_hub_id(entry.source, registry.path.parent if registry.path else Path.cwd()):
-        return slot  # downloaded on its first request, not before the server listens
+        return served  # downloaded on its first request, not before the server listens
     try:
         info = setup()
     except QuantserveError as exc:  # served as a 503 naming this, while the others work; retried at load
         log.error("model %s cannot be served: %s", name, exc.message)
-        slot.error = exc
+        served.error = exc
     except Exception as exc:  # a bug or an unreadable file: the same, and the traceback for the log
         log.exception("model %s cannot be served", name)
-        slot.error = QuantserveError(f"{type(exc).__name__}: {exc}")
+        served.error = QuantserveError(f"{type(exc).__name__}: {exc}")
     else:
-        slot.resolve(info)
-    return slot
+        served.resolve(info)
+    return served
 
 
 def build_router(
@@ -75,19 +75,19 @@ def build_router(
         ConfigError: --models names an entry models.toml does not have, or there is nothing to serve.
     """
     if llm is not None:
-        slot = Slot(llm.name, None, llm.settings, pinned=True, names=frozenset({llm.name.lower()}))
-        slot.llm, slot.status = llm, "loaded"
+        served = Served(llm.name, None, llm.settings, pinned=True, names=frozenset({llm.name.lower()}))
+        served.llm, served.status = llm, "loaded"
         metrics.ready.labels(llm.name).set(1)
-        return ModelRouter([slot], metrics, single=True)
+        return ModelRouter([served], metrics, single=True)
     base = settings.engine_settings()
     if not settings.router_mode:
         try:
             resolved, _ = settings.resolve_model()
         except QuantserveError as exc:  # `quantserve run` checks this before listening; an app made in code
-            slot = Slot(settings.model, None, base, pinned=True, error=exc)
+            served = Served(settings.model, None, base, pinned=True, error=exc)
         else:
-            slot = Slot(resolved.name, resolved, base, pinned=True, names=_names(resolved))
-        return ModelRouter([slot], metrics, single=True, on_load_error=on_load_error)
+            served = Served(resolved.name, resolved, base, pinned=True, names=_names(resolved))
+        return ModelRouter([served], metrics, single=True, on_load_error=on_load_error)
 
     registry = load_registry(find_models_toml(settings.models_file))
     where = registry.path or "models.toml"
@@ -109,10 +109,10 @@ def build_router(
                 )
             names.append(hit[0])
     keep_alive = parse_duration(settings.keep_alive, "--keep-alive") if settings.keep_alive else None
-    slots = [_router_slot(name, registry, base, keep_alive) for name in dict.fromkeys(names)]
+    served_models = [_router_served(name, registry, base, keep_alive) for name in dict.fromkeys(names)]
     budget = memory.parse_size(settings.memory_budget) if settings.memory_budget else 0
     return ModelRouter(
-        slots, metrics, default=registry.default, models_max=settings.models_max, memory_budget=budget
+        served_models, metrics, default=registry.default, models_max=settings.models_max, memory_budget=budget
     )
 
 
@@ -139,17 +139,17 @@ def model_card(llm: LLM) -> dict:
     }
 
 
-def slot_card(slot: Slot) -> dict:
+def served_card(served: Served) -> dict:
     """/v1/models' entry in router mode: the loaded model's card, or what is known before loading, with its
     status (loaded, loading, unloading, unloaded), the last load error, and the router's settings for it."""
-    if slot.llm is not None:
-        card = model_card(slot.llm)
-        card["id"] = slot.name
+    if served.llm is not None:
+        card = model_card(served.llm)
+        card["id"] = served.name
     else:
-        facts = dict(slot.facts)
+        facts = dict(served.facts)
         ctx = facts.pop("context_length", None)
         card = {
-            "id": slot.name,
+            "id": served.name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "quantserve",
@@ -158,13 +158,13 @@ def slot_card(slot: Slot) -> dict:
             "capabilities": facts.pop("capabilities", []),
             "meta": facts,
         }
-    card["status"] = slot.status
+    card["status"] = served.status
     card["meta"] |= {
-        "pinned": slot.pinned,
-        "keep_alive": slot.keep_alive,
-        "memory_estimate_bytes": slot.estimate,
-        "aliases": sorted(slot.names - {slot.name.lower()}),
+        "pinned": served.pinned,
+        "keep_alive": served.keep_alive,
+        "memory_estimate_bytes": served.estimate,
+        "aliases": sorted(served.names - {served.name.lower()}),
     }
-    if slot.error is not None and slot.llm is None:
-        card["error"] = slot.error.message
+    if served.error is not None and served.llm is None:
+        card["error"] = served.error.message
     return card

@@ -37,7 +37,7 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge(
-            "quantserve_queue_depth", "Requests waiting for a sequence slot", _M, registry=r
+            "quantserve_queue_depth", "Requests waiting for a sequence served", _M, registry=r
         )
         self.running = Gauge("quantserve_running_sequences", "Sequences being generated", _M, registry=r)
         self.kv_cells_used = Gauge(
@@ -48,7 +48,7 @@ class Metrics:
         )
         self.kv_cells_cached = Gauge(
             "quantserve_kv_cells_cached",
-            "KV cells kept as prefix cache in free slots (refreshed when idle)",
+            "KV cells kept as prefix cache in free served_models (refreshed when idle)",
             _M,
             registry=r,
         )

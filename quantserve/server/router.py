@@ -28,7 +28,7 @@ from quantserve.errors import InvalidRequestError, ModelLoadingError, ModelNotFo
 from quantserve.llm import LLM
 from quantserve.server import memory
 from quantserve.server.metrics import Metrics
-from quantserve.server.slot import Slot
+from quantserve.server.served import Served
 
 log = logging.getLogger("quantserve.server")
 
@@ -72,7 +72,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any) -> Any:
 class ModelRouter:
     def __init__(
         self,
-        slots: list[Slot],
+        served_models: list[Served],
         metrics: Metrics,
         *,
         single: bool = False,
@@ -81,10 +81,10 @@ class ModelRouter:
         memory_budget: int = 0,
         on_load_error: Callable[[], None] | None = None,
     ):
-        self.slots = {s.name: s for s in slots}
+        self.served_models = {s.name: s for s in served_models}
         self.metrics = metrics
         self.single = single  # one model, loaded at startup; requests never wait on its load
-        self.default = default if default in self.slots else None
+        self.default = default if default in self.served_models else None
         self.models_max = models_max
         self.memory_budget = memory_budget
         self._on_load_error = on_load_error
@@ -93,38 +93,38 @@ class ModelRouter:
 
     # ---- finding and leasing --------------------------------------------------------------------
 
-    def find(self, requested: str | None) -> Slot:
-        """The slot a request's "model" names (any case, any alias, the file name); no name: the default.
+    def find(self, requested: str | None) -> Served:
+        """The served model a request's "model" names (any case, any alias, the file name); no name: the default.
 
         Raises:
             ModelNotFoundError: no servable model has that name (404).
             InvalidRequestError: no name, and no default to fall back on (400).
         """
         if not requested:
-            if self.single or len(self.slots) == 1:
-                return next(iter(self.slots.values()))
+            if self.single or len(self.served_models) == 1:
+                return next(iter(self.served_models.values()))
             if self.default is None:
                 raise InvalidRequestError(
-                    f"'model' is required: this server serves {', '.join(self.slots)}", param="model"
+                    f"'model' is required: this server serves {', '.join(self.served_models)}", param="model"
                 )
-            return self.slots[self.default]
+            return self.served_models[self.default]
         low = requested.lower()
-        for slot in self.slots.values():
-            if low in slot.names:
-                return slot
+        for served in self.served_models.values():
+            if low in served.names:
+                return served
         if self.single:
-            only = next(iter(self.slots.values()))
-            served = only.llm.name if only.llm is not None else only.name
+            only = next(iter(self.served_models.values()))
+            name = only.llm.name if only.llm is not None else only.name
             raise ModelNotFoundError(
-                f"the model {requested!r} does not exist; this server serves {served!r}", param="model"
+                f"the model {requested!r} does not exist; this server serves {name!r}", param="model"
             )
         raise ModelNotFoundError(
-            f"the model {requested!r} does not exist; this server serves {', '.join(self.slots)} "
+            f"the model {requested!r} does not exist; this server serves {', '.join(self.served_models)} "
             "(GET /v1/models lists them)",
             param="model",
         )
 
-    async def acquire(self, leases: list[Slot], requested: str | None) -> LLM:
+    async def acquire(self, leases: list[Served], requested: str | None) -> LLM:
         """The model a request names, loaded, with a lease on it appended to `leases` (the request's own list,
         given back by `release` once the response is sent).
 
@@ -134,41 +134,42 @@ class ModelRouter:
             ModelLoadingError: it failed to load (503, naming the cause; again at once for RETRY_FAILED_S), or,
                 on a single-model server, it is still loading.
         """
-        if self.single and not next(iter(self.slots.values())).parked:
+        if self.single and not next(iter(self.served_models.values())).parked:
             self.single_llm()  # 503 while it loads or after it failed, whatever the name (as ever)
-        slot = self.find(requested)
+        served = self.find(requested)
         while True:
-            if slot.status == "loaded":
-                slot.leases += 1
-                slot.idle.clear()
-                slot.last_used = time.monotonic()
-                leases.append(slot)
-                return slot.llm
-            if slot.status == "unloading":
-                await asyncio.shield(slot.task)
+            if served.status == "loaded":
+                served.leases += 1
+                served.idle.clear()
+                served.last_used = time.monotonic()
+                leases.append(served)
+                return served.llm
+            if served.status == "unloading":
+                await asyncio.shield(served.task)
                 continue
-            if slot.task is None:
-                if slot.error is not None and time.monotonic() - slot.failed_at < RETRY_FAILED_S:
+            if served.task is None:
+                if served.error is not None and time.monotonic() - served.failed_at < RETRY_FAILED_S:
                     raise ModelLoadingError(  # no load (and no unload to make room) per request of a broken model
-                        f"model {slot.name!r} failed to load: {slot.error.message}", code="model_load_failed"
+                        f"model {served.name!r} failed to load: {served.error.message}",
+                        code="model_load_failed",
                     )
-                self._start_load(slot)
-            task = slot.task
-            slot.pending += 1
+                self._start_load(served)
+            task = served.task
+            served.pending += 1
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
                 if not task.done():
-                    slot.pending -= 1
+                    served.pending -= 1
                 elif not task.cancelled() and task.exception() is None:
-                    self._give_back(slot)  # the load handed this request a lease it will not use
+                    self._give_back(served)  # the load handed this request a lease it will not use
                 raise
             except QuantserveError as exc:
                 raise ModelLoadingError(
-                    f"model {slot.name!r} failed to load: {exc.message}", code="model_load_failed"
+                    f"model {served.name!r} failed to load: {exc.message}", code="model_load_failed"
                 ) from None
-            leases.append(slot)
-            return slot.llm
+            leases.append(served)
+            return served.llm
 
     def single_llm(self) -> LLM:
         """A single-model server's model.
@@ -176,70 +177,72 @@ class ModelRouter:
         Raises:
             ModelLoadingError: it is still loading, or failed to load (503).
         """
-        slot = next(iter(self.slots.values()))
-        if slot.llm is not None:
-            return slot.llm
-        if slot.error is not None:
+        served = next(iter(self.served_models.values()))
+        if served.llm is not None:
+            return served.llm
+        if served.error is not None:
             raise ModelLoadingError(
-                f"the model failed to load: {slot.error.message}", code="model_load_failed"
+                f"the model failed to load: {served.error.message}", code="model_load_failed"
             )
         raise ModelLoadingError(
             "the model is still loading; retry shortly (GET /ready says when it is ready)"
         )
 
-    def release(self, leases: list[Slot]) -> None:
-        for slot in leases:
-            self._give_back(slot)
+    def release(self, leases: list[Served]) -> None:
+        for served in leases:
+            self._give_back(served)
         leases.clear()
 
-    def _give_back(self, slot: Slot) -> None:
-        slot.leases -= 1
-        slot.last_used = time.monotonic()
-        if slot.leases == 0:
-            slot.idle.set()
+    def _give_back(self, served: Served) -> None:
+        served.leases -= 1
+        served.last_used = time.monotonic()
+        if served.leases == 0:
+            served.idle.set()
 
     # ---- loading and unloading ------------------------------------------------------------------
 
-    def _start_load(self, slot: Slot) -> asyncio.Task:
-        slot.status, slot.error = "loading", None
-        slot.task = asyncio.get_running_loop().create_task(self._load(slot), name=f"load {slot.name}")
+    def _start_load(self, served: Served) -> asyncio.Task:
+        served.status, served.error = "loading", None
+        served.task = asyncio.get_running_loop().create_task(self._load(served), name=f"load {served.name}")
         # a failure reaches the waiting requests; this keeps asyncio from also logging it as never retrieved
-        slot.task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return slot.task
+        served.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return served.task
 
-    async def _load(self, slot: Slot) -> None:
+    async def _load(self, served: Served) -> None:
         try:
             async with self._load_lock:
                 try:
-                    if slot.resolved is None:
-                        if slot.setup is None:
-                            raise slot.error or QuantserveError(f"model {slot.name!r} cannot be resolved")
-                        slot.resolve(await _in_thread(slot.setup))
-                    if slot.preflight is not None:
-                        await _in_thread(slot.preflight)
-                    await self._make_room(slot)
+                    if served.resolved is None:
+                        if served.setup is None:
+                            raise served.error or QuantserveError(f"model {served.name!r} cannot be resolved")
+                        served.resolve(await _in_thread(served.setup))
+                    if served.preflight is not None:
+                        await _in_thread(served.preflight)
+                    await self._make_room(served)
                     t = time.perf_counter()
-                    log.info("loading model %s", slot.name)
-                    llm = await _in_thread(LLM.load, slot.resolved, slot.settings, slot.plan)
+                    log.info("loading model %s", served.name)
+                    llm = await _in_thread(LLM.load, served.resolved, served.settings, served.plan)
                 except QuantserveError as exc:
-                    self._failed(slot, exc)
+                    self._failed(served, exc)
                     raise
                 except Exception as exc:  # a bug, not a user error: keep the server and say what happened
-                    log.exception("could not load model %s", slot.name)
+                    log.exception("could not load model %s", served.name)
                     err = QuantserveError(f"{type(exc).__name__}: {exc}")
-                    self._failed(slot, err)
+                    self._failed(served, err)
                     raise err from exc
                 seconds = time.perf_counter() - t
-                slot.llm, slot.status = llm, "loaded"
-                slot.names |= {llm.name.lower()}
-                slot.leases += slot.pending  # every waiting request gets its lease before anyone can unload
-                slot.pending = 0
-                if slot.leases:
-                    slot.idle.clear()
-                slot.last_used = time.monotonic()
-                self.metrics.loads.labels(slot.name, "ok").inc()
-                self.metrics.load_seconds.labels(slot.name).observe(seconds)
-                self.metrics.ready.labels(slot.name).set(1)
+                served.llm, served.status = llm, "loaded"
+                served.names |= {llm.name.lower()}
+                served.leases += (
+                    served.pending
+                )  # every waiting request gets its lease before anyone can unload
+                served.pending = 0
+                if served.leases:
+                    served.idle.clear()
+                served.last_used = time.monotonic()
+                self.metrics.loads.labels(served.name, "ok").inc()
+                self.metrics.load_seconds.labels(served.name).observe(seconds)
+                self.metrics.ready.labels(served.name).set(1)
                 log.info(
                     "model %s ready in %.1fs: n_ctx %d, %d sequences, backend %s",
                     llm.name,
@@ -249,16 +252,16 @@ class ModelRouter:
                     llm.info.backend,
                 )
         finally:
-            slot.task = None
+            served.task = None
 
-    def _failed(self, slot: Slot, exc: QuantserveError) -> None:
-        slot.status, slot.error, slot.pending, slot.failed_at = "unloaded", exc, 0, time.monotonic()
-        self.metrics.loads.labels(slot.name, "error").inc()
-        log.error("could not load model %s: %s", slot.name, exc.message)
+    def _failed(self, served: Served, exc: QuantserveError) -> None:
+        served.status, served.error, served.pending, served.failed_at = "unloaded", exc, 0, time.monotonic()
+        self.metrics.loads.labels(served.name, "error").inc()
+        log.error("could not load model %s: %s", served.name, exc.message)
         if self._on_load_error is not None:
             self._on_load_error()
 
-    async def _make_room(self, target: Slot) -> None:
+    async def _make_room(self, target: Served) -> None:
         """Unload least-recently-used models (idle ones first) until `target` may load: fewer than --models-max
         loaded, its estimate within --memory-budget beside theirs, and within the memory free now."""
         if self.memory_budget and target.estimate > self.memory_budget:
@@ -269,11 +272,11 @@ class ModelRouter:
                 code="model_load_failed",
             )
         while True:
-            unloading = [s.task for s in self.slots.values() if s.status == "unloading"]
+            unloading = [s.task for s in self.served_models.values() if s.status == "unloading"]
             if unloading:  # their memory is not free yet
                 await asyncio.gather(*(asyncio.shield(t) for t in unloading))
                 continue
-            loaded = [s for s in self.slots.values() if s.status == "loaded"]
+            loaded = [s for s in self.served_models.values() if s.status == "loaded"]
             why, hard = None, True
             if self.models_max and len(loaded) >= self.models_max:
                 why = f"--models-max {self.models_max} models are loaded"
@@ -306,115 +309,117 @@ class ModelRouter:
             log.info("unloading %s to make room for %s: %s", victim.name, target.name, why)
             await asyncio.shield(self.start_unload(victim, "lru"))
 
-    def start_unload(self, slot: Slot, reason: str) -> asyncio.Task:
-        """Unload `slot` once its in-flight requests have finished; new requests for it wait, then reload it."""
-        if slot.status == "unloading":
-            return slot.task
-        slot.status = "unloading"
-        slot.task = asyncio.get_running_loop().create_task(
-            self._unload(slot, reason), name=f"unload {slot.name}"
+    def start_unload(self, served: Served, reason: str) -> asyncio.Task:
+        """Unload `served` once its in-flight requests have finished; new requests for it wait, then reload it."""
+        if served.status == "unloading":
+            return served.task
+        served.status = "unloading"
+        served.task = asyncio.get_running_loop().create_task(
+            self._unload(served, reason), name=f"unload {served.name}"
         )
-        return slot.task
+        return served.task
 
-    async def _unload(self, slot: Slot, reason: str) -> None:
+    async def _unload(self, served: Served, reason: str) -> None:
         try:
-            if not slot.idle.is_set():
+            if not served.idle.is_set():
                 log.info(
-                    "model %s: waiting for %d request(s) in flight before unloading", slot.name, slot.leases
+                    "model %s: waiting for %d request(s) in flight before unloading",
+                    served.name,
+                    served.leases,
                 )
-            await slot.idle.wait()
-            llm, slot.llm = slot.llm, None
-            if self.single and slot.plan is None:  # a router-mode slot has its plan from before it loaded
-                slot.set_plan(llm.plan)  # /v1/models still says what it is
+            await served.idle.wait()
+            llm, served.llm = served.llm, None
+            if self.single and served.plan is None:  # a router-mode model has its plan from before it loaded
+                served.set_plan(llm.plan)  # /v1/models still says what it is
             t = time.perf_counter()
             await _in_thread(llm.close)
             del llm
             await _in_thread(_release_memory)
-            self.metrics.unloads.labels(slot.name, reason).inc()
-            self.metrics.ready.labels(slot.name).set(0)
-            log.info("model %s unloaded (%s) in %.1fs", slot.name, reason, time.perf_counter() - t)
+            self.metrics.unloads.labels(served.name, reason).inc()
+            self.metrics.ready.labels(served.name).set(0)
+            log.info("model %s unloaded (%s) in %.1fs", served.name, reason, time.perf_counter() - t)
         finally:
-            slot.status, slot.task = "unloaded", None
+            served.status, served.task = "unloaded", None
 
-    def can_unload_on_request(self, slot: Slot) -> bool:
-        """Whether a client may unload `slot` (Ollama's keep_alive): not a pinned models.toml entry, nor a model
+    def can_unload_on_request(self, served: Served) -> bool:
+        """Whether a client may unload `served` (Ollama's keep_alive): not a pinned models.toml entry, nor a model
         handed to the app already loaded (nothing could load it again)."""
-        return slot.resolved is not None and (self.single or not slot.pinned)
+        return served.resolved is not None and (self.single or not served.pinned)
 
-    def unload_on_request(self, slot: Slot, reason: str) -> bool:
-        """Unload `slot` once its requests in flight finish, as a client asked; the next request for it loads
+    def unload_on_request(self, served: Served, reason: str) -> bool:
+        """Unload `served` once its requests in flight finish, as a client asked; the next request for it loads
         it again (on a single-model server too). Returns False where can_unload_on_request says no."""
-        if not self.can_unload_on_request(slot) or slot.status not in ("loaded", "unloading"):
+        if not self.can_unload_on_request(served) or served.status not in ("loaded", "unloading"):
             return False
-        slot.parked = True
-        self.start_unload(slot, reason)
+        served.parked = True
+        self.start_unload(served, reason)
         return True
 
-    def set_keep_alive(self, slot: Slot, seconds: float | None) -> None:
-        """A client's keep_alive: `slot` unloads once idle that long (None: never), until another says else."""
-        if not self.can_unload_on_request(slot):
+    def set_keep_alive(self, served: Served, seconds: float | None) -> None:
+        """A client's keep_alive: `served` unloads once idle that long (None: never), until another says else."""
+        if not self.can_unload_on_request(served):
             return
-        slot.keep_alive = seconds
+        served.keep_alive = seconds
         if seconds is not None:
-            slot.parked = True
+            served.parked = True
             if self._reaper is None:
                 self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="keep_alive")
 
-    async def unload(self, requested: str) -> Slot:
+    async def unload(self, requested: str) -> Served:
         """Admin unload (POST /models/unload): after the requests in flight on it.
 
         Raises:
             InvalidRequestError: the model is pinned.
         """
-        slot = self.find(requested)
-        if slot.pinned:
+        served = self.find(requested)
+        if served.pinned:
             raise InvalidRequestError(
-                f"model {slot.name!r} is pinned (models.toml pin = true); it stays loaded"
+                f"model {served.name!r} is pinned (models.toml pin = true); it stays loaded"
             )
-        if slot.status == "loading" and slot.task is not None:
+        if served.status == "loading" and served.task is not None:
             with contextlib.suppress(
                 QuantserveError
             ):  # a failed load leaves it unloaded, which is what was asked
-                await asyncio.shield(slot.task)
-        if slot.status in ("loaded", "unloading"):
-            await asyncio.shield(self.start_unload(slot, "request"))
-        return slot
+                await asyncio.shield(served.task)
+        if served.status in ("loaded", "unloading"):
+            await asyncio.shield(self.start_unload(served, "request"))
+        return served
 
     # ---- lifetime -------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Load pinned models (a single-model server's one model) now, and start the keep_alive reaper."""
-        for slot in self.slots.values():
-            if slot.pinned and slot.status == "unloaded" and slot.task is None:
-                self._start_load(slot)
-        if any(s.keep_alive is not None for s in self.slots.values()):
+        for served in self.served_models.values():
+            if served.pinned and served.status == "unloaded" and served.task is None:
+                self._start_load(served)
+        if any(s.keep_alive is not None for s in self.served_models.values()):
             self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="keep_alive")
 
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for slot in self.slots.values():
+            for served in self.served_models.values():
                 # pinned: never, but a single-model server's model once a client has set its keep_alive
                 if (
-                    slot.status == "loaded"
-                    and (not slot.pinned or slot.parked)
-                    and slot.keep_alive is not None
-                    and slot.leases == 0
-                    and now - slot.last_used >= slot.keep_alive
+                    served.status == "loaded"
+                    and (not served.pinned or served.parked)
+                    and served.keep_alive is not None
+                    and served.leases == 0
+                    and now - served.last_used >= served.keep_alive
                 ):
-                    log.info("model %s idle for %.0fs (keep_alive)", slot.name, now - slot.last_used)
-                    self.start_unload(slot, "keep_alive")
+                    log.info("model %s idle for %.0fs (keep_alive)", served.name, now - served.last_used)
+                    self.start_unload(served, "keep_alive")
 
     def stop(self) -> list[LLM]:
         """On the event loop, at shutdown: stop unloading by idleness and take every loaded model (to close on a
         worker thread). A load still running then finishes unseen; the process exits around it."""
         if self._reaper is not None:
             self._reaper.cancel()
-        llms = [s.llm for s in self.slots.values() if s.llm is not None]
-        for slot in self.slots.values():
-            slot.llm, slot.status = None, "unloaded"
+        llms = [s.llm for s in self.served_models.values() if s.llm is not None]
+        for served in self.served_models.values():
+            served.llm, served.status = None, "unloaded"
         return llms
 
     def loaded(self) -> list[tuple[str, LLM]]:
-        return [(s.name, s.llm) for s in self.slots.values() if s.llm is not None]
+        return [(s.name, s.llm) for s in self.served_models.values() if s.llm is not None]

@@ -20,7 +20,9 @@ class ServerState:
     router: ModelRouter
     metrics: Metrics = field(default_factory=Metrics)
     media: MediaPolicy = field(default_factory=MediaPolicy)  # image limits and the URL policy
-    copies: dict[str, str] = field(default_factory=dict)  # Ollama's /api/copy: a new name -> the model's slot
+    copies: dict[str, str] = field(
+        default_factory=dict
+    )  # Ollama's /api/copy: a new name -> the model's served
 
     async def acquire(self, request: Request, requested: str | None) -> LLM:
         """The model a request names, loaded, and held for the request until its response is sent."""

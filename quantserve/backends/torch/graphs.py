@@ -4,7 +4,7 @@ step in which each sequence decodes one token (vLLM's cudagraph capture sizes).
 A decode step launches a few hundred small kernels (per layer: norms, four or seven W4A16 GEMMs, rotary, the KV
 write, paged attention, the MLP), and at batch 1 the launches, not the GPU, set the pace. A graph replays them all
 in one launch. What a graph needs is what the paged kernel made possible: inputs of fixed shape at fixed
-addresses. So the graphs own static buffers (token ids, positions, the slot each new K/V goes to, block tables
+addresses. So the graphs own static buffers (token ids, positions, the cell each new K/V goes to, block tables
 padded to the longest context, context lengths), sized for the largest bucket; a step copies its own rows in,
 points the rows it does not use at a scratch block that no sequence owns, and replays the graph of the smallest
 bucket that holds it. The rotary table is grown to the whole context first, so that a replay never reads a table
@@ -54,7 +54,7 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
+        self.cell_index = torch.full((n,), scratch_block * block_size, dtype=torch.int64, device=device)
         self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, device=device)
@@ -77,7 +77,7 @@ class DecodeGraphs:
         rows = self.rows[:size]
         decode = DecodeBatch(rows, self.block_tables[:size], self.context_lens[:size], self.block_size)
         step = StepBatch(
-            self.input_ids[:size], self.positions[:size], self.slot_mapping[:size], decode, None, rows, []
+            self.input_ids[:size], self.positions[:size], self.cell_index[:size], decode, None, rows, []
         )
         hidden = self.model(step.input_ids, step.positions, step, max_position=self.n_ctx - 1)
         return self.model.compute_logits(hidden)
@@ -117,11 +117,11 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(step.input_ids)
         self.positions[:b].copy_(step.positions)
-        self.slot_mapping[:b].copy_(step.slot_mapping)
+        self.cell_index[:b].copy_(step.cell_index)
         self.block_tables[:b, :width].copy_(d.block_tables)  # columns past width: stale, never read
         self.context_lens[:b].copy_(d.context_lens)
         if size > b:  # rows a previous, larger step used: back to the scratch block
-            self.slot_mapping[b:size].fill_(self.scratch_block * self.block_size)
+            self.cell_index[b:size].fill_(self.scratch_block * self.block_size)
             self.block_tables[b:size].fill_(self.scratch_block)
             self.context_lens[b:size].fill_(1)
         if size in self.graphs:

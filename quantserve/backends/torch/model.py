@@ -107,9 +107,9 @@ class RMSNorm(nn.Module):
 class KVCache:
     """One layer's paged cache: [num_blocks * block_size, n_kv_heads, head_dim] for K and for V."""
 
-    def __init__(self, num_slots: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros(num_slots, n_kv, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_slots, n_kv, head_dim, dtype=dtype, device=device)
+    def __init__(self, num_cells: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(num_cells, n_kv, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_cells, n_kv, head_dim, dtype=dtype, device=device)
 
 
 class Attention(nn.Module):
@@ -157,24 +157,24 @@ class Attention(nn.Module):
             cache = self.cache
             assert cache is not None, "paged forward needs a KV cache"
             if self.triton_ops and not self.head_dim & (self.head_dim - 1):
-                q = fused.rope_and_cache(q, k, v, cos, sin, step.slot_mapping, cache.k, cache.v)
+                q = fused.rope_and_cache(q, k, v, cos, sin, step.cell_index, cache.k, cache.v)
             else:
-                q = fused.rope_and_cache_ref(q, k, v, cos, sin, step.slot_mapping, cache.k, cache.v)
+                q = fused.rope_and_cache_ref(q, k, v, cos, sin, step.cell_index, cache.k, cache.v)
             out = self._paged(q, step)
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
 
     def _paged(self, q: torch.Tensor, step: StepBatch) -> torch.Tensor:
-        """q [T, H, D] (the new K/V already in their slots): attend over each sequence's context, one call for
+        """q [T, H, D] (the new K/V already in their cells): attend over each sequence's context, one call for
         the decoding sequences, one for the prefilling ones (all indices prepared once per step)."""
         cache = self.cache
         assert cache is not None
         d = step.decode
-        if d is not None and d.kv_slots is None and step.prefill is None:  # all tokens decode, in order
+        if d is not None and d.kv_cells is None and step.prefill is None:  # all tokens decode, in order
             return paged_decode_attention(
                 q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.head_dim**-0.5
             )
         out = torch.empty_like(q)
-        if d is not None and d.kv_slots is None:
+        if d is not None and d.kv_cells is None:
             out[d.q_index] = paged_decode_attention(
                 q[d.q_index],
                 cache.k,
@@ -185,15 +185,15 @@ class Attention(nn.Module):
                 self.head_dim**-0.5,
             )
         elif d is not None:
-            keys = cache.k[d.kv_slots].transpose(1, 2)  # [B, KV, C, D]
-            vals = cache.v[d.kv_slots].transpose(1, 2)
+            keys = cache.k[d.kv_cells].transpose(1, 2)  # [B, KV, C, D]
+            vals = cache.v[d.kv_cells].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[d.q_index][:, :, None, :], keys, vals, attn_mask=d.mask, enable_gqa=True
             )  # [B, H, 1, D]
             out[d.q_index] = o[:, :, 0, :]
         if (p := step.prefill) is not None:
-            keys = cache.k[p.kv_slots].transpose(1, 2)  # [P, KV, C, D]
-            vals = cache.v[p.kv_slots].transpose(1, 2)
+            keys = cache.k[p.kv_cells].transpose(1, 2)  # [P, KV, C, D]
+            vals = cache.v[p.kv_cells].transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[p.q_index].transpose(1, 2), keys, vals, attn_mask=p.mask, enable_gqa=True
             )  # [P, H, Q, D]

@@ -110,7 +110,7 @@ class TorchRunner:
                 "needs; raise --kv-size or lower --ctx-size",
                 param="kv_size",
             )
-        # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers slots. The norms,
+        # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers cells. The norms,
         # rotary + KV write and silu * up run as Triton kernels wherever Triton runs.
         self.paged_kernel = paged_attention.can_run(device)[0]
         model.use_fused_kernels(self.paged_kernel)

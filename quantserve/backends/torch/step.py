@@ -4,7 +4,7 @@ gather indices and masks each attention call needs (nano-vllm's prepare_prefill/
 Everything is built on the host from the plan's Python lists and moved to the device once; the layers then only
 index and call attention, with no host synchronisation and no Python loop over sequences. Decoding sequences (one
 new token) attend together in one call, given as block tables and context lengths: the paged kernel
-(kernels/paged_attention.py) reads those directly, and without it the slots to gather are derived from them on the
+(kernels/paged_attention.py) reads those directly, and without it the cells to gather are derived from them on the
 device once per step. Prefilling sequences (several new tokens, after any cached prefix) attend together in
 another call, padded to the longest chunk and the longest context (a varlen batch as padded tensors).
 """
@@ -26,14 +26,14 @@ class DecodeBatch:
     block_tables: torch.Tensor  # int32 [B, W]: each row's cache blocks, padded with block 0
     context_lens: torch.Tensor  # int32 [B]: positions each row attends to, its new token included
     block_size: int
-    # Without the paged kernel (CPU): the cache slots of each row's context, padded with slot 0, and which are real
-    kv_slots: torch.Tensor | None = None  # int64 [B, W * block_size]
+    # Without the paged kernel (CPU): the cache cells of each row's context, padded with cell 0, and which are real
+    kv_cells: torch.Tensor | None = None  # int64 [B, W * block_size]
     mask: torch.Tensor | None = None  # bool [B, 1, 1, W * block_size]
 
     def gather_indices(self) -> None:
-        """Fill kv_slots and mask from the block tables, on the device (for attention without the kernel)."""
+        """Fill kv_cells and mask from the block tables, on the device (for attention without the kernel)."""
         pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.block_tables.device)
-        self.kv_slots = (
+        self.kv_cells = (
             self.block_tables.long()[:, pos // self.block_size] * self.block_size + pos % self.block_size
         )
         self.mask = (pos[None, :] < self.context_lens[:, None])[:, None, None]
@@ -45,7 +45,7 @@ class PrefillBatch:
 
     q_index: torch.Tensor  # int64 [P, Q]: each sequence's tokens in the flat batch (padding: 0)
     q_valid: torch.Tensor  # bool [P, Q]
-    kv_slots: torch.Tensor  # int64 [P, C]
+    kv_cells: torch.Tensor  # int64 [P, C]
     mask: (
         torch.Tensor
     )  # bool [P, 1, Q, C]: causal, after the cached prefix; padding queries see position 0 only
@@ -55,7 +55,7 @@ class PrefillBatch:
 class StepBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
-    slot_mapping: torch.Tensor  # int64 [T]: the cache slot each new token's K/V is written to
+    cell_index: torch.Tensor  # int64 [T]: the cache cell each new token's K/V is written to
     decode: DecodeBatch | None
     prefill: PrefillBatch | None
     logits_index: torch.Tensor  # int64 [S]: the tokens whose logits are sampled
@@ -68,8 +68,8 @@ class StepBatch:
     image_embeds: torch.Tensor | None = None  # [R, D]
 
 
-def _slots(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
-    """Cache slots of positions [start, stop) of a sequence with this block table."""
+def _cells(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Cache cells of positions [start, stop) of a sequence with this block table."""
     return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
 
 
@@ -77,12 +77,12 @@ def prepare_step(
     plan: list[tuple[Sequence, int]], block_size: int, device: torch.device, paged_kernel: bool = False
 ) -> StepBatch:
     """The step's batch: for each planned (sequence, n), its next n tokens after num_computed. `paged_kernel`:
-    decode attention runs kernels/paged_attention.py, which reads block tables (else slots are gathered)."""
+    decode attention runs kernels/paged_attention.py, which reads block tables (else cells are gathered)."""
     ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
+    cell_index: list[int] = []
     decode_rows: list[tuple[int, int, list[int]]] = []  # (token index, context, its blocks)
-    prefill_rows: list[tuple[int, int, int, list[int]]] = []  # (first token index, n, context, context slots)
+    prefill_rows: list[tuple[int, int, int, list[int]]] = []  # (first token index, n, context, context cells)
     logits_index: list[int] = []
     sampled: list[int] = []
     image_rows: list[int] = []
@@ -92,11 +92,11 @@ def prepare_step(
         first = len(ids)
         ids.extend(seq.tokens[start:ctx])
         positions.extend(range(start, ctx))
-        slot_mapping.extend(_slots(seq.block_table, start, ctx, block_size))
+        cell_index.extend(_cells(seq.block_table, start, ctx, block_size))
         if n == 1:
             decode_rows.append((first, ctx, seq.block_table[: -(-ctx // block_size)]))
         else:
-            prefill_rows.append((first, n, ctx, _slots(seq.block_table, 0, ctx, block_size)))
+            prefill_rows.append((first, n, ctx, _cells(seq.block_table, 0, ctx, block_size)))
         for i, span in enumerate(seq.images):
             lo, hi = max(span.offset, start), min(span.end, ctx)
             if lo < hi:
@@ -136,13 +136,13 @@ def prepare_step(
         prefill = PrefillBatch(
             q_index=tensor([[i + j if j < n else 0 for j in range(q_width)] for i, n, _, _ in prefill_rows]),
             q_valid=tensor([[j < n for j in range(q_width)] for _, n, _, _ in prefill_rows], torch.bool),
-            kv_slots=tensor([c + [0] * (c_width - len(c)) for _, _, _, c in prefill_rows]),
+            kv_cells=tensor([c + [0] * (c_width - len(c)) for _, _, _, c in prefill_rows]),
             mask=torch.stack(masks)[:, None].to(device, non_blocking=True),
         )
     return StepBatch(
         input_ids=tensor(ids),
         positions=tensor(positions),
-        slot_mapping=tensor(slot_mapping),
+        cell_index=tensor(cell_index),
         decode=decode,
         prefill=prefill,
         logits_index=tensor(logits_index),

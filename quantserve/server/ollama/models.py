@@ -21,7 +21,7 @@ from quantserve import __version__
 from quantserve.errors import InvalidRequestError, ModelNotFoundError, QuantserveError
 from quantserve.insitu.cache import QuantCache
 from quantserve.server.ollama.protocol import CopyBody, NameBody, ndjson, tagged, untagged
-from quantserve.server.slot import Slot
+from quantserve.server.served import Served
 from quantserve.server.state import ServerState
 
 log = logging.getLogger("quantserve.server")
@@ -62,10 +62,10 @@ def _params_text(n: int) -> str:
     return str(n)
 
 
-def _facts(slot: Slot) -> dict[str, Any] | None:
-    if slot.resolved is None:
+def _facts(served: Served) -> dict[str, Any] | None:
+    if served.resolved is None:
         return None
-    path = Path(slot.resolved.path)
+    path = Path(served.resolved.path)
     try:
         return _file_facts(str(path), path.stat().st_mtime)
     except (OSError, QuantserveError):
@@ -78,16 +78,16 @@ _OLLAMA_CAPABILITIES = {"completion": "completion", "tools": "tools", "vision": 
                         "embeddings": "embedding", "rerank": "rerank", "reasoning": "thinking"}  # fmt: skip
 
 
-def _capabilities(slot: Slot) -> list[str]:
-    """What the model can do, in Ollama's names, from its plan (the loaded model's, else the slot's)."""
-    plan = slot.llm.plan if slot.llm is not None else slot.plan
+def _capabilities(served: Served) -> list[str]:
+    """What the model can do, in Ollama's names, from its plan (the loaded model's, else the one made before loading)."""
+    plan = served.llm.plan if served.llm is not None else served.plan
     if plan is None:  # not planned yet: a single model still loading, a hub entry not downloaded
         return ["completion"]
     return [_OLLAMA_CAPABILITIES[c] for c in plan.capabilities if c in _OLLAMA_CAPABILITIES]
 
 
-def _entry(slot: Slot, facts: dict[str, Any] | None) -> dict[str, Any]:
-    name = tagged(slot.name)
+def _entry(served: Served, facts: dict[str, Any] | None) -> dict[str, Any]:
+    name = tagged(served.name)
     out: dict[str, Any] = {"name": name, "model": name}
     if facts:
         out |= {k: facts[k] for k in ("modified_at", "size", "digest", "details")}
@@ -102,36 +102,36 @@ async def version():
 @router.get("/api/tags")
 async def tags(request: Request):
     state: ServerState = request.app.state.qs
-    slots = list(state.router.slots.values())
-    facts = await asyncio.to_thread(lambda: [_facts(s) for s in slots])
-    models = [_entry(s, f) for s, f in zip(slots, facts, strict=True)]
+    served_models = list(state.router.served_models.values())
+    facts = await asyncio.to_thread(lambda: [_facts(s) for s in served_models])
+    listed = [_entry(s, f) for s, f in zip(served_models, facts, strict=True)]
     for copy, name in state.copies.items():
-        i = next(i for i, s in enumerate(slots) if s.name == name)
-        models.append({**models[i], "name": tagged(copy), "model": tagged(copy)})
-    return {"models": models}
+        i = next(i for i, s in enumerate(served_models) if s.name == name)
+        listed.append({**listed[i], "name": tagged(copy), "model": tagged(copy)})
+    return {"models": listed}
 
 
 @router.get("/api/ps")
 async def ps(request: Request):
     state: ServerState = request.app.state.qs
     out = []
-    for slot in state.router.slots.values():
-        if slot.llm is None:
+    for served in state.router.served_models.values():
+        if served.llm is None:
             continue
-        facts = await asyncio.to_thread(_facts, slot)
-        entry = _entry(slot, facts)
-        idle = slot.keep_alive
+        facts = await asyncio.to_thread(_facts, served)
+        entry = _entry(served, facts)
+        idle = served.keep_alive
         expires = (
-            datetime.fromtimestamp(time.time() + idle + (slot.last_used - time.monotonic()), UTC)
-            if idle is not None and (not slot.pinned or slot.parked)
+            datetime.fromtimestamp(time.time() + idle + (served.last_used - time.monotonic()), UTC)
+            if idle is not None and (not served.pinned or served.parked)
             else datetime(2318, 1, 1, tzinfo=UTC)  # never: Ollama's own far-future date for keep_alive -1
         )
-        size = slot.estimate or (facts or {}).get("size", 0)
+        size = served.estimate or (facts or {}).get("size", 0)
         entry |= {
             "size": size,
-            "size_vram": int(size * slot.llm.gpu_share),
+            "size_vram": int(size * served.llm.gpu_share),
             "expires_at": expires.isoformat().replace("+00:00", "Z"),
-            "context_length": slot.llm.n_ctx,
+            "context_length": served.llm.n_ctx,
         }
         out.append(entry)
     return {"models": out}
@@ -140,24 +140,24 @@ async def ps(request: Request):
 @router.post("/api/show")
 async def show(body: NameBody, request: Request):
     state: ServerState = request.app.state.qs
-    slot = state.router.find(untagged(body.target))
-    facts = await asyncio.to_thread(_facts, slot)
+    served = state.router.find(untagged(body.target))
+    facts = await asyncio.to_thread(_facts, served)
     info: dict[str, Any] = {}
-    if slot.resolved is not None:
-        info = await asyncio.to_thread(_model_info, Path(slot.resolved.path), body.verbose)
-    llm = slot.llm
+    if served.resolved is not None:
+        info = await asyncio.to_thread(_model_info, Path(served.resolved.path), body.verbose)
+    llm = served.llm
     template = llm.chat_template.source if llm is not None and llm.chat_template is not None else ""
-    defaults = slot.settings.for_model(slot.resolved.entry).sampling_defaults if slot.resolved else {}
+    defaults = served.settings.for_model(served.resolved.entry).sampling_defaults if served.resolved else {}
     names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
              "repeat_penalty": "repeat_penalty", "penalty_last_n": "repeat_last_n"}  # fmt: skip
     params = "\n".join(f"{names[k]:<30} {v}" for k, v in defaults.items() if k in names)
     out: dict[str, Any] = {
-        "modelfile": f"# served by quantserve {__version__}\nFROM {slot.resolved.path if slot.resolved else slot.name}\n",
+        "modelfile": f"# served by quantserve {__version__}\nFROM {served.resolved.path if served.resolved else served.name}\n",
         "parameters": params,
         "template": template,
         "details": (facts or {}).get("details", {}),
         "model_info": info,
-        "capabilities": _capabilities(slot),
+        "capabilities": _capabilities(served),
     }
     if facts:
         out["modified_at"] = facts["modified_at"]
@@ -180,12 +180,12 @@ async def pull(body: NameBody, request: Request):
     """The model is one of this server's: loaded (downloaded first, for a hub entry) as `pull` would fetch it;
     the stream says so. Nothing else can be pulled: quantserve serves models.toml's entries and paths."""
     state: ServerState = request.app.state.qs
-    slot = state.router.find(untagged(body.target))
+    served = state.router.find(untagged(body.target))
     leases: list = []
 
     async def statuses() -> AsyncIterator[dict]:
         yield {"status": "pulling manifest"}
-        await state.router.acquire(leases, slot.name)
+        await state.router.acquire(leases, served.name)
         state.router.release(leases)
         yield {"status": "verifying sha256 digest"}
         yield {"status": "success"}
@@ -202,18 +202,18 @@ async def delete(body: NameBody, request: Request):
     """Unloads the model and removes what quantserve made of it (its in-situ conversions in the cache). The
     model's own files and its models.toml entry are the user's and stay."""
     state: ServerState = request.app.state.qs
-    slot = state.router.find(untagged(body.target))
+    served = state.router.find(untagged(body.target))
     copy = state.copies.pop(untagged(body.target).lower(), None)
     if copy is not None:  # a name /api/copy made: only the name goes
-        slot.names -= {untagged(body.target).lower()}
+        served.names -= {untagged(body.target).lower()}
         return JSONResponse({})
-    state.router.unload_on_request(slot, "deleted")
-    if slot.task is not None and slot.status == "unloading":
-        await asyncio.shield(slot.task)
-    if slot.resolved is not None:
-        cache = QuantCache(Path(slot.settings.cache_dir) if slot.settings.cache_dir else None)
-        gone = await asyncio.to_thread(cache.remove_source, Path(slot.resolved.path))
-        log.info("deleted %d in-situ conversion(s) of %s", len(gone), slot.name)
+    state.router.unload_on_request(served, "deleted")
+    if served.task is not None and served.status == "unloading":
+        await asyncio.shield(served.task)
+    if served.resolved is not None:
+        cache = QuantCache(Path(served.settings.cache_dir) if served.settings.cache_dir else None)
+        gone = await asyncio.to_thread(cache.remove_source, Path(served.resolved.path))
+        log.info("deleted %d in-situ conversion(s) of %s", len(gone), served.name)
     return JSONResponse({})
 
 
@@ -222,19 +222,19 @@ async def copy(body: CopyBody, request: Request):
     """A new name for the model, listed by /api/tags beside it, for this server's lifetime (names that last
     belong in models.toml as aliases)."""
     state: ServerState = request.app.state.qs
-    slot = state.router.find(untagged(body.source))
+    served = state.router.find(untagged(body.source))
     dest = untagged(body.destination).lower()
     try:
         other = state.router.find(dest)
     except ModelNotFoundError:
         other = None
-    if other is not None and other is not slot:
+    if other is not None and other is not served:
         raise InvalidRequestError(
             f"{body.destination!r} already names the model {other.name!r}", param="destination"
         )
     if other is None:
-        slot.names |= {dest}
-        state.copies[dest] = slot.name
+        served.names |= {dest}
+        state.copies[dest] = served.name
     return JSONResponse({})
 
 

@@ -39,7 +39,7 @@ from quantserve.server.ollama.protocol import (
     tagged,
     untagged,
 )
-from quantserve.server.slot import Slot
+from quantserve.server.served import Served
 from quantserve.server.state import ServerState
 from quantserve.structured.grammars import json_schema_grammar
 
@@ -80,25 +80,25 @@ class Clock:
         }
 
 
-async def _acquire(request: Request, model: str, keep_alive: KeepAlive) -> tuple[LLM, Slot, Clock]:
+async def _acquire(request: Request, model: str, keep_alive: KeepAlive) -> tuple[LLM, Served, Clock]:
     """The model, loaded and leased for this request; a keep_alive duration is applied now, a zero one once
     the request is done (_unload_after)."""
     state: ServerState = request.app.state.qs
     clock = Clock()
     seconds = keep_alive_seconds(keep_alive)
-    slot = state.router.find(untagged(model))
+    served = state.router.find(untagged(model))
     llm = await state.acquire(request, untagged(model))
     clock.mark_loaded()
     if keep_alive is not None and seconds != 0:
-        state.router.set_keep_alive(slot, seconds)
-    return llm, slot, clock
+        state.router.set_keep_alive(served, seconds)
+    return llm, served, clock
 
 
-def _unload_after(state: ServerState, slot: Slot, keep_alive: KeepAlive) -> bool:
+def _unload_after(state: ServerState, served: Served, keep_alive: KeepAlive) -> bool:
     """keep_alive 0: the model unloads once this request's lease is given back. Returns whether it will."""
     if keep_alive is None or keep_alive_seconds(keep_alive) != 0:
         return False
-    return state.router.unload_on_request(slot, "keep_alive=0")
+    return state.router.unload_on_request(served, "keep_alive=0")
 
 
 def _params(llm: LLM, options: Options | None, n_prompt: int, grammar, skip_special: bool):
@@ -126,9 +126,9 @@ def _done_reason(c: Choice) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _load_only(request: Request, body, slot: Slot, kind: str) -> dict[str, Any]:
+def _load_only(request: Request, body, served: Served, kind: str) -> dict[str, Any]:
     """An empty chat or prompt: load the model (and with keep_alive 0, unload it)."""
-    unload = _unload_after(request.app.state.qs, slot, body.keep_alive)
+    unload = _unload_after(request.app.state.qs, served, body.keep_alive)
     out: dict[str, Any] = {"model": tagged(untagged(body.model)), "created_at": _now()}
     out |= {"message": {"role": "assistant", "content": ""}} if kind == "chat" else {"response": ""}
     return {**out, "done_reason": "unload" if unload else "load", "done": True}
@@ -148,12 +148,12 @@ class _Encoder:
 
     media_type = NDJSON
 
-    def __init__(self, run: Run, body: ChatBody | GenerateBody, slot: Slot, clock: Clock):
-        self.run, self.choice, self.body, self.slot, self.clock = run, run.choices[0], body, slot, clock
+    def __init__(self, run: Run, body: ChatBody | GenerateBody, served: Served, clock: Clock):
+        self.run, self.choice, self.body, self.served, self.clock = run, run.choices[0], body, served, clock
         self.head = {"model": tagged(untagged(body.model))}
 
     def final(self) -> dict[str, Any]:
-        _unload_after(self.run.state, self.slot, self.body.keep_alive)
+        _unload_after(self.run.state, self.served, self.body.keep_alive)
         c = self.choice
         stats = self.clock.fields(c.num_prompt_tokens, c.num_output_tokens)
         return {**self.head, "created_at": _now(), "done": True, "done_reason": _done_reason(c), **stats}
@@ -209,9 +209,9 @@ class _GenerateEncoder(_Encoder):
 @router.post("/api/chat")
 async def chat(body: ChatBody, request: Request):
     state: ServerState = request.app.state.qs
-    llm, slot, clock = await _acquire(request, body.model, body.keep_alive)
+    llm, served, clock = await _acquire(request, body.model, body.keep_alive)
     if not body.messages:
-        return _load_only(request, body, slot, "chat")
+        return _load_only(request, body, served, "chat")
     _check_think(llm, body.think)
     reader = state.reader(llm)
     req = chat_request(body, reader)
@@ -219,15 +219,15 @@ async def chat(body: ChatBody, request: Request):
     params = _params(llm, body.options, len(tokens), prompt.grammar, prompt.skip_special_tokens)
     run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), images, chat=prompt)
     run.on_first = clock.mark_first
-    return await run.respond(_ChatEncoder(run, body, slot, clock), body.stream)
+    return await run.respond(_ChatEncoder(run, body, served, clock), body.stream)
 
 
 @router.post("/api/generate")
 async def generate(body: GenerateBody, request: Request):
     state: ServerState = request.app.state.qs
-    llm, slot, clock = await _acquire(request, body.model, body.keep_alive)
+    llm, served, clock = await _acquire(request, body.model, body.keep_alive)
     if not body.prompt and not body.images:
-        return _load_only(request, body, slot, "generate")
+        return _load_only(request, body, served, "generate")
     _check_think(llm, body.think)
     if body.suffix:
         raise InvalidRequestError(
@@ -266,12 +266,12 @@ async def generate(body: GenerateBody, request: Request):
     params = _params(llm, body.options, len(tokens), grammar, skip_special)
     run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), spans or images or None)
     run.on_first = clock.mark_first
-    return await run.respond(_GenerateEncoder(run, body, slot, clock), body.stream)
+    return await run.respond(_GenerateEncoder(run, body, served, clock), body.stream)
 
 
 @router.post("/api/embed")
 async def embed(body: EmbedBody, request: Request):
-    llm, slot, clock = await _acquire(request, body.model, body.keep_alive)
+    llm, served, clock = await _acquire(request, body.model, body.keep_alive)
     texts = [body.input] if isinstance(body.input, str) else list(body.input)
     if not texts or any(not t for t in texts):
         raise InvalidRequestError("'input' must hold text", param="input")
@@ -291,7 +291,7 @@ async def embed(body: EmbedBody, request: Request):
         vectors.append((vec / norm if norm > 0 else vec).tolist())  # /api/embed's vectors are unit length
     if body.dimensions is not None:
         raise InvalidRequestError("'dimensions' is not supported by this model", param="dimensions")
-    _unload_after(request.app.state.qs, slot, body.keep_alive)
+    _unload_after(request.app.state.qs, served, body.keep_alive)
     stats = clock.fields(n, 0)
     return {"model": tagged(untagged(body.model)), "embeddings": vectors, "total_duration": stats["total_duration"],
             "load_duration": stats["load_duration"], "prompt_eval_count": n}  # fmt: skip
@@ -299,9 +299,9 @@ async def embed(body: EmbedBody, request: Request):
 
 @router.post("/api/embeddings")
 async def embeddings(body: EmbeddingsBody, request: Request):
-    llm, slot, _ = await _acquire(request, body.model, body.keep_alive)
+    llm, served, _ = await _acquire(request, body.model, body.keep_alive)
     if not body.prompt:
         return {"embedding": []}
     vec = await llm.embed(llm.tokenize_prompt(body.prompt, chat=False)[: llm.n_ctx])
-    _unload_after(request.app.state.qs, slot, body.keep_alive)
+    _unload_after(request.app.state.qs, served, body.keep_alive)
     return {"embedding": list(vec)}

@@ -1,5 +1,5 @@
-"""Slot: one model a server can serve, and where it stands (unloaded, loading, loaded, unloading); the state
-quantserve.server.router keeps per model, and SlotInfo, what a models.toml entry resolves to before it loads."""
+"""Served: one model a server can serve, and where it stands (unloaded, loading, loaded, unloading); the state
+quantserve.server.router keeps per model, and ServedInfo, what a models.toml entry resolves to before it loads."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ Status = Literal["unloaded", "loading", "loaded", "unloading"]
 
 
 @dataclass(frozen=True)
-class SlotInfo:
+class ServedInfo:
     """What a router-mode entry resolves to before it loads (quantserve.server.catalog)."""
 
     resolved: ResolvedModel
@@ -40,7 +40,7 @@ def plan_facts(plan: ModelPlan) -> dict:
 
 
 @dataclass(eq=False)
-class Slot:
+class Served:
     """One servable model and where it stands: unloaded, loading, loaded or unloading."""
 
     name: str
@@ -66,7 +66,7 @@ class Slot:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no lease is held
     # router mode: resolves the entry and reads its facts; run again at load time while `resolved` is None, so a
     # file put right after startup is found (and a hub model is downloaded on its first request, not at startup)
-    setup: Callable[[], SlotInfo] | None = None
+    setup: Callable[[], ServedInfo] | None = None
     # router mode: plans the model again and runs the plan's checks (the GGUF probe) before any model unloads to
     # make room, so a broken model never costs a working one its place
     preflight: Callable[[], None] | None = None
@@ -74,7 +74,7 @@ class Slot:
     def __post_init__(self) -> None:
         self.idle.set()
 
-    def resolve(self, info: SlotInfo) -> None:
+    def resolve(self, info: ServedInfo) -> None:
         self.resolved, self.names = info.resolved, info.names
         self.set_plan(info.plan)
 
