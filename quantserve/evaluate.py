@@ -1,6 +1,7 @@
 """Quality metrics: perplexity (llama-perplexity's convention) and KL divergence between two models, scored by
 llama.cpp or by quantserve's own torch model on the same chunks of the same tokens (what a conversion cost is
-measured with these in conversion_quality.py)."""
+measured with these in conversion_quality.py). Each model is loaded by its backend's own loader, and scored by its
+runner (`score`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,10 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-import llama_cpp as lc
 import numpy as np
 
 from quantserve.errors import ConfigError, InvalidRequestError, require_torch
-
-BACKENDS = ("llamacpp", "torch")
 
 log = logging.getLogger("quantserve.evaluate")
 
@@ -41,155 +38,54 @@ class KLResult:
     scored_by: str = "llama.cpp"
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    y = x - x.max(axis=-1, keepdims=True)
-    return y - np.log(np.exp(y).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
-
-
-class Scorer(Protocol):
-    """One model that scores chunks: llama.cpp's (ChunkScorer) or the torch backend's (TorchChunkScorer)."""
-
-    n_ctx: int
-    n_vocab: int
-    scored_by: str  # what the CLI prints
-
-    def tokenize(self, text: str) -> list[int]: ...
-
-    def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]: ...
-
-    def close(self) -> None: ...
-
-
-def _chunks(tokens: list[int], n_ctx: int, bos: int | None) -> Iterator[list[int]]:
-    """llama-perplexity's chunks: n_ctx tokens each, the first replaced by BOS when the vocabulary adds one."""
-    for start in range(0, len(tokens) - n_ctx + 1, n_ctx):
-        chunk = list(tokens[start : start + n_ctx])
-        if bos is not None:
-            chunk[0] = bos
-        yield chunk
-
-
-class ChunkScorer:
-    """A llama.cpp context that returns the logits of every position of a chunk (n_ctx tokens, one batch).
+class Scorer:
+    """One model loaded by its backend's own plan and loader (quantserve.backends), as `quantserve run` would load
+    it, with a context of one chunk: its runner tokenizes the text and scores each chunk.
 
     Chunks follow llama-perplexity: text split into n_ctx-token chunks, the first token of each replaced by BOS
     when the vocabulary adds one, and only the second half of each chunk scored (so every scored token has at
-    least n_ctx/2 tokens of context)."""
-
-    def __init__(self, path: Path, *, n_ctx: int = 512, threads: int = 0):
-        from quantserve.backends.llamacpp.library import init_backend
-        from quantserve.formats import read_gguf_info
-
-        read_gguf_info(path)  # validated before llama.cpp opens it
-        init_backend()
-        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
-        if not self.model:
-            raise ConfigError(f"llama.cpp could not load {path}")
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
-        cp.n_seq_max = 1
-        cp.flash_attn_type = 0
-        cp.n_threads = cp.n_threads_batch = threads or 2
-        self.ctx = lc.llama_init_from_model(self.model, cp)
-        self.vocab = lc.llama_model_get_vocab(self.model)
-        self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
-        self.n_ctx = n_ctx
-        self.batch = lc.llama_batch_init(n_ctx, 0, 1)
-        self.scored_by = "llama.cpp"
-
-    def tokenize(self, text: str) -> list[int]:
-        data = text.encode()
-        buf = (lc.llama_token * (len(data) + 16))()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, len(buf), True, False)
-        return buf[:n]
-
-    def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (log-probs [n_ctx/2 - 1, vocab] of the scored positions, their target tokens) per chunk."""
-        n, first = self.n_ctx, self.n_ctx // 2
-        bos = lc.llama_vocab_bos(self.vocab) if lc.llama_vocab_get_add_bos(self.vocab) else None
-        for chunk in _chunks(tokens, n, bos):
-            lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
-            b = self.batch
-            for j, t in enumerate(chunk):
-                # logits only where they are scored: the output layer over the vocabulary is the costly part
-                b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, j, 1, int(j >= first)
-                b.seq_id[j][0] = 0
-            b.n_tokens = n
-            if lc.llama_decode(self.ctx, b) != 0:
-                raise RuntimeError("llama_decode failed while scoring")
-            # rows come back in batch order for the positions that asked for logits: first .. n-1
-            logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n - first, self.n_vocab))
-            yield _log_softmax(logits[:-1]), np.asarray(chunk[first + 1 : n])
-
-    def close(self) -> None:
-        lc.llama_batch_free(self.batch)
-        lc.llama_free(self.ctx)
-        lc.llama_model_free(self.model)
-
-
-class TorchChunkScorer:
-    """The torch backend's model (loaded as `quantserve serve --backend torch` loads it: dense or GPTQ/AWQ/
-    compressed-tensors/Marlin HF checkpoints, on CUDA in bf16/fp16, else on CPU in fp32) scoring the same chunks
-    as ChunkScorer: the HF tokenizer reproduces llama.cpp's tokens, and one causal forward per chunk computes the
-    output layer for the scored half only."""
-
-    def __init__(self, path: Path, *, n_ctx: int = 512, threads: int = 0):
-        import torch
-
-        from quantserve.backends.torch.backend import pick_device_dtype
-        from quantserve.backends.torch.tokenizer import HFTokenizer
-        from quantserve.backends.torch.weights import load_model
-        from quantserve.formats import detect
-
-        spec = detect(path)
-        if spec.format == "gguf":
-            raise ConfigError(
-                f"{path} is GGUF; the torch backend reads HF checkpoints: convert it first (quantserve convert "
-                f"--src {path} --dst DIR --dtype fp32), let `quantserve eval` do it, or score with llamacpp"
-            )
-        if threads:
-            torch.set_num_threads(threads)
-        self.device, dtype = pick_device_dtype(spec.config or {})
-        self.tokenizer = HFTokenizer.from_dir(spec.directory)
-        self.model = load_model(spec, dtype=dtype, device=self.device)
-        self.n_vocab = self.model.args.vocab_size
-        self.n_ctx = n_ctx
-        self.scored_by = f"torch ({self.device.type}, {str(dtype).removeprefix('torch.')})"
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.tokenize(text, add_special=True, parse_special=False)
-
-    def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield (log-probs [n_ctx/2 - 1, vocab] of the scored positions, their target tokens) per chunk."""
-        import torch
-
-        n, first = self.n_ctx, self.n_ctx // 2
-        tok = self.tokenizer
-        bos = tok.bos_token_id if tok.add_bos and tok.bos_token_id >= 0 else None
-        for chunk in _chunks(tokens, n, bos):
-            with torch.inference_mode():
-                ids = torch.tensor([chunk], device=self.device)  # [1, n]
-                # [n/2 - 1, D]: the positions whose next token is scored
-                hidden = self.model(ids)[0, first : n - 1]
-                logp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # [n/2 - 1, V] fp32
-            yield logp.cpu().numpy(), np.asarray(chunk[first + 1 : n])
-
-    def close(self) -> None:
-        self.model = None
-
-
-def open_scorer(path: Path, backend: str = "llamacpp", *, n_ctx: int = 512, threads: int = 0) -> Scorer:
-    """A scorer for `path` on `backend`: llamacpp takes a GGUF file, torch an HF checkpoint directory.
+    least n_ctx/2 tokens of context).
 
     Raises:
-        ConfigError: an unknown backend, or a file the backend cannot read.
+        ConfigError: an unknown backend. Whatever planning or loading the model raises (a GGUF for the torch
+        backend, a malformed file).
     """
-    if backend == "llamacpp":
-        return ChunkScorer(path, n_ctx=n_ctx, threads=threads)
-    if backend == "torch":
-        require_torch("scoring with --backend torch")
-        return TorchChunkScorer(path, n_ctx=n_ctx, threads=threads)
-    raise ConfigError(f"unknown scoring backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+    def __init__(self, path: Path, backend: str = "llamacpp", *, n_ctx: int = 512, threads: int = 0):
+        from quantserve.backends.select import BACKENDS, plan_model
+        from quantserve.core.settings import EngineSettings
+        from quantserve.formats import detect
+
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown scoring backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if backend == "torch":
+            require_torch("scoring with --backend torch")
+        settings = EngineSettings.from_options(
+            backend=backend, ctx_size=n_ctx, n_batch=n_ctx, max_num_seqs=1, threads=threads, prefix_cache=False,
+            flash_attn="off", kv_fill_gpu=False, cuda_graphs=False,
+        )  # fmt: skip
+        plan = plan_model(detect(path), settings)
+        self.loaded = BACKENDS[plan.backend].load(plan)
+        self.runner = self.loaded.runner
+        self.n_ctx, self.n_vocab, self.scored_by = n_ctx, self.runner.n_vocab, self.runner.scored_by
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.runner.tokenize(text, add_special=True, parse_special=False)
+
+    def chunks(self, tokens: list[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield (log-probs [n_ctx/2 - 1, vocab] of the scored positions, their target tokens) per chunk."""
+        n, first = self.n_ctx, self.n_ctx // 2
+        bos = self.runner.bos_token if self.runner.adds_bos() else None
+        for start in range(0, len(tokens) - n + 1, n):
+            chunk = list(tokens[start : start + n])
+            if bos is not None and bos >= 0:
+                chunk[0] = bos
+            yield self.runner.score(chunk, first), np.asarray(chunk[first + 1 : n])
+
+    def close(self) -> None:
+        self.runner.close()
+        if self.loaded.keep_alive is not None:
+            self.loaded.keep_alive.cleanup()
 
 
 def _tokens(scorer: Scorer, text: str) -> list[int]:
@@ -205,7 +101,7 @@ def _tokens(scorer: Scorer, text: str) -> list[int]:
 def perplexity(
     path: Path, text: str, *, n_ctx: int = 512, threads: int = 0, progress=None, backend: str = "llamacpp"
 ) -> PerplexityResult:
-    scorer = open_scorer(path, backend, n_ctx=n_ctx, threads=threads)
+    scorer = Scorer(path, backend, n_ctx=n_ctx, threads=threads)
     try:
         tokens = _tokens(scorer, text)
         nll, count, chunks = 0.0, 0, 0
@@ -232,9 +128,9 @@ def kl_divergence(
 ) -> KLResult:
     """KL(base || model) per scored token, over the same chunks, plus both perplexities and top-1 agreement.
     Both models are scored by `backend`."""
-    a = open_scorer(base, backend, n_ctx=n_ctx, threads=threads)
+    a = Scorer(base, backend, n_ctx=n_ctx, threads=threads)
     try:
-        b = open_scorer(model, backend, n_ctx=n_ctx, threads=threads)
+        b = Scorer(model, backend, n_ctx=n_ctx, threads=threads)
     except BaseException:
         a.close()
         raise

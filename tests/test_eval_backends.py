@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from quantserve.backends.torch.tokenizer import HFTokenizer
 from quantserve.cli import main
 from quantserve.conversion_quality import builtin_text
-from quantserve.errors import ConfigError
-from quantserve.evaluate import ChunkScorer, kl_divergence, open_scorer, perplexity
+from quantserve.errors import BackendUnavailableError, ConfigError
+from quantserve.evaluate import Scorer, kl_divergence, perplexity
 
 N_CTX = 128  # short chunks keep the CPU forward passes cheap; the conventions are the same at 512
 # One thread: spinning thread pools (llama.cpp's, torch's OpenMP) slow down ~5x on a busy 2-core machine.
@@ -49,7 +49,7 @@ def tiny(smollm2_hf, tmp_path_factory):
 def test_torch_tokens_and_perplexity_match_llamacpp(smollm2_gguf, smollm2_hf):
     """The fp32 HF checkpoint holds exactly the GGUF's dequantized weights: one model on both backends. llama.cpp
     differs only in its Q4_1 matmuls (activations rounded to 8 bits): ~0.3 % on GPL-3 at n_ctx 512."""
-    a = ChunkScorer(smollm2_gguf, n_ctx=N_CTX, **T1)
+    a = Scorer(smollm2_gguf, n_ctx=N_CTX, **T1)
     try:
         assert HFTokenizer.from_dir(smollm2_hf).tokenize(TEXT, add_special=True, parse_special=False) == (
             a.tokenize(TEXT)
@@ -71,10 +71,10 @@ def test_kl_of_a_model_with_itself_is_zero_on_torch(tiny):
 
 
 def test_backend_errors_say_what_to_do(smollm2_gguf):
-    with pytest.raises(ConfigError, match="is GGUF; the torch backend reads HF checkpoints"):
-        open_scorer(smollm2_gguf, "torch")
+    with pytest.raises(BackendUnavailableError, match="is GGUF; the torch backend reads HF checkpoints"):
+        Scorer(smollm2_gguf, "torch")
     with pytest.raises(ConfigError, match="choose one of llamacpp, torch"):
-        open_scorer(smollm2_gguf, "onnx")
+        Scorer(smollm2_gguf, "onnx")
     r = CliRunner().invoke(main, ["eval", "ppl", str(smollm2_gguf), "--text", __file__, "--backend", "onnx"])
     assert r.exit_code == 2 and "'llamacpp', 'torch'" in r.output
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from quantserve.errors import InvalidRequestError
-from quantserve.evaluate import ChunkScorer, kl_divergence, perplexity
+from quantserve.evaluate import Scorer, kl_divergence, perplexity
 
 TEXT = (
     "The history of the city begins with a small settlement on an island in the river. Over the centuries it grew "
@@ -19,20 +19,22 @@ TEXT = (
 
 
 def _reference_nll(path, tokens: list[int], n_ctx: int) -> float:
-    """One chunk decoded a token at a time through the KV cache; log-probabilities computed per step."""
-    s = ChunkScorer(path, n_ctx=n_ctx)
+    """One chunk decoded a token at a time through the KV cache (the serving path: a step per token), with
+    log-probabilities computed per step from the raw logits."""
+    s = Scorer(path, n_ctx=n_ctx)
+    r = s.runner
     try:
         chunk = list(tokens[:n_ctx])
-        if lc.llama_vocab_get_add_bos(s.vocab):
-            chunk[0] = lc.llama_vocab_bos(s.vocab)
-        lc.llama_memory_clear(lc.llama_get_memory(s.ctx), True)
+        if r.adds_bos():
+            chunk[0] = r.bos_token
+        lc.llama_memory_clear(lc.llama_get_memory(r.ctx), True)
         nll, b = 0.0, lc.llama_batch_init(1, 0, 1)
         for j in range(n_ctx - 1):
             b.n_tokens, b.token[0], b.pos[0], b.n_seq_id[0], b.logits[0] = 1, chunk[j], j, 1, 1
             b.seq_id[0][0] = 0
-            assert lc.llama_decode(s.ctx, b) == 0
+            assert lc.llama_decode(r.ctx, b) == 0
             if j >= n_ctx // 2:
-                x = np.ctypeslib.as_array(lc.llama_get_logits_ith(s.ctx, -1), shape=(s.n_vocab,)).astype(
+                x = np.ctypeslib.as_array(lc.llama_get_logits_ith(r.ctx, -1), shape=(s.n_vocab,)).astype(
                     np.float64
                 )
                 nll -= x[chunk[j + 1]] - x.max() - math.log(np.exp(x - x.max()).sum())
@@ -45,14 +47,14 @@ def _reference_nll(path, tokens: list[int], n_ctx: int) -> float:
 def test_perplexity_matches_token_by_token_scoring(smollm2_gguf):
     n_ctx = 128
     r = perplexity(smollm2_gguf, TEXT, n_ctx=n_ctx)
-    s = ChunkScorer(smollm2_gguf, n_ctx=n_ctx)
+    s = Scorer(smollm2_gguf, n_ctx=n_ctx)
     tokens = s.tokenize(TEXT)
     s.close()
     assert r.n_chunks == len(tokens) // n_ctx and r.n_scored == r.n_chunks * (n_ctx // 2 - 1)
     first_chunk = perplexity(smollm2_gguf, TEXT[: len(TEXT) // 2], n_ctx=n_ctx)  # any chunking is consistent
     assert first_chunk.n_chunks >= 2
     # chunk 0 scored in one batch equals chunk 0 scored token by token
-    batched = ChunkScorer(smollm2_gguf, n_ctx=n_ctx)
+    batched = Scorer(smollm2_gguf, n_ctx=n_ctx)
     logp, targets = next(batched.chunks(tokens))
     batched.close()
     nll_batched = -float(logp[np.arange(len(targets)), targets].mean())

@@ -84,6 +84,11 @@ class Tokenizer(Protocol):
 
     def is_eog(self, token: int) -> bool: ...
 
+    @property
+    def bos_token(self) -> int:
+        """The BOS token's id; -1 when the vocabulary has none."""
+        ...
+
     def adds_bos(self) -> bool: ...
 
 
@@ -92,6 +97,7 @@ class ModelRunner(Tokenizer, Protocol):
 
     n_ctx: int  # longest sequence (prompt + output) the runner accepts
     n_vocab: int
+    scored_by: str  # what `quantserve eval` says scored a text: "llama.cpp", "torch (cuda, bfloat16)"
     kv_spec: KVSpec
     vision: VisionSpec | None  # None: text only
 
@@ -117,6 +123,15 @@ class ModelRunner(Tokenizer, Protocol):
 
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         """Forget the sequence's sampling state (kept for a preempted sequence that will recompute)."""
+        ...
+
+    def embed(self, tokens: list[int]) -> list[float]:
+        """One input's mean-pooled, L2-normalised final hidden states (/v1/embeddings)."""
+        ...
+
+    def score(self, tokens: list[int], first: int) -> Any:
+        """Log-probabilities [len(tokens) - first - 1, vocab] (a numpy array) of each position's next token from
+        `first` on, for perplexity and KL (quantserve.evaluate)."""
         ...
 
     def num_kv_used(self) -> int | None:

@@ -344,6 +344,28 @@ class LlamaCppRunner:
         row = self._images.decode(self.ctx, self.batch, seq, n)
         return self._sample(seq, row) if seq.num_computed + n == len(seq.tokens) else None
 
+    def score(self, tokens: list[int], first: int) -> np.ndarray:
+        """Log-probabilities [len(tokens) - first - 1, vocab] of each position's next token from `first` on: the
+        tokens decoded in one batch in slot 0 (emptied first), logits asked for those positions only (the output
+        layer over the vocabulary is the costly part). For perplexity and KL (quantserve.evaluate); the engine must
+        not run on this runner at the same time."""
+        n, b = len(tokens), self.batch
+        if n > self.settings.n_batch:
+            raise ValueError(f"{n} tokens to score; the batch holds {self.settings.n_batch}")
+        lc.llama_memory_seq_rm(lc.llama_get_memory(self.ctx), 0, -1, -1)
+        for j, t in enumerate(tokens):
+            b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = t, j, 1, int(j >= first)
+            b.seq_id[j][0] = 0
+        b.n_tokens = n
+        if lc.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed while scoring")
+        # rows come back in batch order for the positions that asked for logits: first .. n-1
+        logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx), shape=(n - first, self.n_vocab))[:-1]
+        y = logits - logits.max(axis=-1, keepdims=True)
+        return y - np.log(np.exp(y).sum(axis=-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+
+    scored_by = "llama.cpp"
+
     def _sampler(self, seq: Sequence) -> SamplerChain:
         chain = self._samplers.get(seq.seq_id)
         if chain is None:

@@ -6,6 +6,7 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from quantserve.backends.torch.graphs import DecodeGraphs
@@ -169,6 +170,10 @@ class TorchRunner:
     def is_eog(self, token: int) -> bool:
         return self.tokenizer.is_eog(token)
 
+    @property
+    def bos_token(self) -> int:
+        return self.tokenizer.bos_token_id
+
     def adds_bos(self) -> bool:
         return self.tokenizer.add_bos
 
@@ -233,6 +238,19 @@ class TorchRunner:
             hidden = self.model(torch.tensor([tokens], device=self.device))[0].double().mean(0)
             vec = hidden / (hidden.norm() or 1.0)
         return vec.cpu().tolist()
+
+    def score(self, tokens: list[int], first: int) -> np.ndarray:
+        """Log-probabilities [len(tokens) - first - 1, vocab] of each position's next token from `first` on (the
+        output layer runs for those only): one causal forward of its own, without the KV cache."""
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor([tokens], device=self.device))[0, first : len(tokens) - 1]
+            logp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # fp32
+        return logp.cpu().numpy()
+
+    @property
+    def scored_by(self) -> str:
+        dtype = self.model.model.embed_tokens.weight.dtype
+        return f"torch ({self.device.type}, {str(dtype).removeprefix('torch.')})"
 
     def release(self, seq: Sequence, *, keep_sampler: bool = False) -> None:
         if not keep_sampler:
