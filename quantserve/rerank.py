@@ -143,9 +143,9 @@ def _sigmoid(x: float) -> float:
 def rerank_kind(llm: LLM) -> str | None:
     """How `llm` reranks: "classifier" (a cross-encoder's head), "judge" (a chat model answering yes or no), or
     None."""
-    if llm.rank_outputs:
-        return "classifier" if llm.rank_outputs <= 2 else None  # more classes are no relevance score
-    return "judge" if llm.chat_template is not None else None
+    if "rerank" not in llm.plan.capabilities:  # more classes than two are no relevance score; no template
+        return None
+    return "classifier" if llm.rank_outputs else "judge"
 
 
 def ranked(scores: list[float], top_n: int | None) -> list[Ranked]:

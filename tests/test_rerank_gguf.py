@@ -246,7 +246,9 @@ def test_the_relevance_of_each_kind_of_head():
         async def rank(query, documents):
             return [outputs], 3
 
-        llm = SimpleNamespace(name="m", rank_outputs=len(outputs), rank_labels=labels, rank=rank)
+        caps = ("rerank",) if len(outputs) <= 2 else ()  # as the plan lists it (backends/facts.capabilities)
+        plan = SimpleNamespace(capabilities=caps)
+        llm = SimpleNamespace(name="m", rank_outputs=len(outputs), rank_labels=labels, rank=rank, plan=plan)
         (score,), _ = asyncio.run(classify(llm, "q", ["d"]))
         return score, rerank_kind(llm)
 
