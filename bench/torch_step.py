@@ -1,9 +1,10 @@
-"""The torch backend's serving speed before and after a change: SmolLM2 (its fp32 HF checkpoint) on the CPU under
-`quantserve run --backend torch`, tokens/s at 1 and 8 concurrent streams, a baseline commit and this tree measured in
-turn, in one run.
+"""A backend's serving speed before and after a change: SmolLM2 on the CPU under `quantserve run --backend torch`
+(its fp32 HF checkpoint) or `--backend llamacpp` (its Q4_1 GGUF), tokens/s at 1 and 8 concurrent streams, a baseline
+commit and this tree measured in turn, in one run.
 
-Usage: .venv/bin/python bench/torch_step.py --baseline REV [--rounds 3] [--max-tokens 64] [--threads 2]
-Writes bench/results/torch-step-<date>.md and .json.
+Usage: .venv/bin/python bench/torch_step.py --baseline REV [--backend torch|llamacpp] [--rounds 3] [--max-tokens 64]
+    [--threads 2]
+Writes bench/results/<backend>-step-<date>.md and .json.
 
 Each tree is installed (pip --target, no dependencies) into bench/.build, so that a server runs that tree's
 quantserve only; each round starts each tree's server alone on the machine, loads it at every level (streaming chat,
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument(
         "--baseline", required=True, help="the commit to compare with (e.g. the one before a change)"
     )
+    ap.add_argument("--backend", choices=("torch", "llamacpp"), default="torch")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--levels", default="1,8")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -65,14 +67,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    hf = hf_checkpoint(resolve("smollm2", load_registry(find_models_toml(None))).path)
+    gguf = resolve("smollm2", load_registry(find_models_toml(None))).path
+    model = hf_checkpoint(gguf) if args.backend == "torch" else gguf
     trees = [install(args.baseline), install(None)]
     results: dict[str, dict[int, list[dict]]] = {name: {lv: [] for lv in levels} for name, _ in trees}
     logs = Path(tempfile.mkdtemp(prefix="qs-torch-step-"))
     for rnd in range(args.rounds):
         for name, site in trees:
             port = free_port()
-            cmd = (sys.executable, "-m", "quantserve.cli", "run", str(hf), "--backend", "torch", "--threads",
+            cmd = (sys.executable, "-m", "quantserve.cli", "run", str(model), "--backend", args.backend, "--threads",
                    str(args.threads), "--max-num-seqs", str(max(levels)), "--ctx-size", "1024", "--port", str(port),
                    "--log-level", "warning")  # fmt: skip
             sd = ServerDef(name, cmd, port, ignore_eos=True)
@@ -97,7 +100,7 @@ def main() -> None:
 
 def write(args, trees, levels, results) -> None:
     stamp = dt.datetime.now(dt.UTC)
-    name = f"torch-step-{stamp:%Y-%m-%d}"
+    name = f"{args.backend}-step-{stamp:%Y-%m-%d}"
     med = {
         t: {lv: statistics.median(r["tok_s"] for r in rs) for lv, rs in by.items()}
         for t, by in results.items()
@@ -105,16 +108,19 @@ def write(args, trees, levels, results) -> None:
     (base, _), (cur, _) = trees
     info = machine_info()
     lines = [
-        "# The torch backend's serving speed, before and after",
+        f"# The {args.backend} backend's serving speed, before and after",
         "",
         f"Measured {stamp:%Y-%m-%d %H:%M} UTC. Command: `.venv/bin/python bench/torch_step.py --baseline "
-        f"{args.baseline} --rounds {args.rounds} --max-tokens {args.max_tokens} --threads {args.threads}`.",
+        f"{args.baseline} --backend {args.backend} --rounds {args.rounds} --max-tokens {args.max_tokens} "
+        f"--threads {args.threads}`.",
         "",
         f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB; versions: "
         + ", ".join(f"{k} {v}" for k, v in versions(None).items()),
         "",
-        "SmolLM2-135M-Instruct, fp32 HF checkpoint (our GGUF -> HF converter), `quantserve run --backend torch "
-        f"--threads {args.threads}` on the CPU; streaming chat, greedy, {args.max_tokens} tokens each (ignore_eos), "
+        "SmolLM2-135M-Instruct, "
+        + ("fp32 HF checkpoint (our GGUF -> HF converter)" if args.backend == "torch" else "Q4_1 GGUF")
+        + f", `quantserve run --backend {args.backend} --threads {args.threads}` on the CPU; streaming chat, greedy, "
+        f"{args.max_tokens} tokens each (ignore_eos), "
         "4 requests per stream, distinct prompts. Each cell: median of the rounds (trees in turn, alone).",
         "",
         f"| streams | {base} tok/s | {cur} tok/s | ratio |",

@@ -182,3 +182,15 @@ def test_detect_runs_once_per_load(smollm2_gguf, tiny_hf):
             sys.setprofile(None)
         llm.close()
         assert len(calls) == 1, calls
+
+
+def test_inspect_with_a_chat_template_shows_what_that_template_gives(smollm2_gguf, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    rows = _inspect(smollm2_gguf, "--chat-template", template)
+    assert rows["chat template"] == [f"--chat-template {template}"] and rows["tool calls"] == ["generic"]
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    r = CliRunner().invoke(
+        main, ["inspect", str(smollm2_gguf), "--chat-template", str(tmp_path / "bad.jinja")]
+    )
+    assert r.exit_code == 2 and "does not parse" in r.output

@@ -1,0 +1,63 @@
+"""Each kind of plug-in has one literal list (schemes(), the chat formats' registered(), archs(), writers()): a module
+added to one of those packages and forgotten in its list would be silently ignored, so every module there must define
+exactly one entry of its list (helpers excepted, by name)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+from quantserve.chat.formats import ToolFormat, registered
+from quantserve.formats.schemes import QuantScheme, schemes
+from quantserve.gguf.archs import ArchSpec, archs, torch_architectures
+
+HELPERS = {"quantserve.formats.schemes.fingerprint", "quantserve.converters.hf_quant.writer"}
+
+
+def _modules(package: str) -> list[str]:
+    pkg = importlib.import_module(package)
+    return [
+        f"{package}.{m.name}"
+        for m in pkgutil.iter_modules(pkg.__path__)
+        if f"{package}.{m.name}" not in HELPERS
+    ]
+
+
+def _defined(module: str, kind: type) -> list[object]:
+    mod = importlib.import_module(module)
+    if kind is ArchSpec:
+        return [v for v in vars(mod).values() if isinstance(v, ArchSpec)]
+    return [
+        v for v in vars(mod).values() if inspect.isclass(v) and issubclass(v, kind) and v.__module__ == module
+    ]
+
+
+def test_every_scheme_chat_format_and_architecture_module_is_listed():
+    for package, kind, listed in (
+        ("quantserve.formats.schemes", QuantScheme, set(schemes().values())),
+        ("quantserve.chat.formats", ToolFormat, set(registered())),
+        ("quantserve.gguf.archs", ArchSpec, set(archs().values())),
+    ):
+        for module in _modules(package):
+            found = _defined(module, kind)
+            assert found and set(found) <= listed, f"{module} defines {found}, not all in its package's list"
+
+
+def test_every_writer_module_is_listed():
+    pytest.importorskip("torch")
+    from quantserve.converters.hf_quant.writer import LayerEncoder, writers
+
+    for module in _modules("quantserve.converters.hf_quant"):
+        found = _defined(module, LayerEncoder)
+        assert found and set(found) <= set(writers().values()), f"{module}: {found}"
+    assert set(writers()) == set(schemes())  # a writer for every scheme detect() reads
+
+
+def test_the_torch_backend_runs_what_the_registry_marks():
+    assert torch_architectures() == {
+        "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+        "Qwen3ForCausalLM": "qwen3",
+    }  # fmt: skip
