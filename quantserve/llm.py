@@ -21,7 +21,7 @@ from quantserve.core.runner import ModelInfo, ModelRunner, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
-from quantserve.engine.async_engine import AsyncEngine, RequestStream  # noqa: F401 - RequestStream: the server's type of a stream
+from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
 from quantserve.engine.scheduler import SchedulerConfig

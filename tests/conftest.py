@@ -77,6 +77,28 @@ def smollm2_hf(smollm2_gguf, tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_hf(smollm2_hf, tmp_path_factory) -> Path:
+    """A 2-layer random llama with SmolLM2's tokenizer (and chat template): real tokens, model cost next to
+    nothing."""
+    import shutil
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(smollm2_hf / name, path / name)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

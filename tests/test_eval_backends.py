@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
 
 from quantserve.backends.torch.tokenizer import HFTokenizer
@@ -31,19 +29,8 @@ def _torch_threads():
 
 
 @pytest.fixture(scope="module")
-def tiny(smollm2_hf, tmp_path_factory):
-    """A 2-layer random llama with SmolLM2's tokenizer: real tokens, model cost next to nothing."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(smollm2_hf / name, path / name)
-    return path
+def tiny(tiny_llama_hf):
+    return tiny_llama_hf
 
 
 def test_torch_tokens_and_perplexity_match_llamacpp(smollm2_gguf, smollm2_hf):

@@ -27,20 +27,12 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def tiny_hf(smollm2_hf, tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer, whose chat template is only in chat_template.json (as newer
-    transformers save it)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
+def tiny_hf(tiny_llama_hf, smollm2_hf, tmp_path_factory):
+    """The tiny random Llama with its chat template only in chat_template.json (as newer transformers save it)."""
     d = tmp_path_factory.mktemp("plan") / "tiny"
-    transformers.LlamaForCausalLM(config).save_pretrained(d)
+    shutil.copytree(tiny_llama_hf, d)
     template, _ = find_chat_template(smollm2_hf)
-    shutil.copy(smollm2_hf / "tokenizer.json", d)
-    tc = json.loads((smollm2_hf / "tokenizer_config.json").read_text())
+    tc = json.loads((d / "tokenizer_config.json").read_text())
     tc.pop("chat_template", None)
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
     (d / "chat_template.json").write_text(json.dumps({"chat_template": template}))

@@ -187,7 +187,7 @@ class LlamaCppBackend:
             raise ModelFileError(f"{spec.path}: {plan.reason}")
         if spec.format != "gguf":
             gguf_path, keep_alive = self._convert(plan)
-            mmproj = projector(gguf_path, None)
+            mmproj = projector(gguf_path, settings.llamacpp.mmproj)
         else:
             gguf_path, mmproj = spec.files[0], plan.mmproj
         from quantserve.backends.llamacpp.probe import PROBES
