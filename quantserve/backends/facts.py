@@ -104,26 +104,26 @@ def weight_bytes(spec: ModelSpec, quant: str | None) -> int:
 def make_plan(
     spec: ModelSpec,
     settings: EngineSettings,
-    *,
-    backend: str,
-    reason: str,
-    architecture: str,
+    choice: tuple[str, str],
     steps: tuple[str, ...],
     kv: KVPlan | None,
-    quant: str | None,
+    *,
+    quant: str | None = None,
+    architecture: str | None = None,
     vision: str | None = None,
     mmproj: Path | None = None,
     rank_outputs: int = 0,
 ) -> ModelPlan:
     """A backend's plan with the facts computed here: the template (a reranker has none: it never chats), its
-    tool-call format, the weights' bytes after `quant`, and the capabilities, every backend embedding."""
+    tool-call format, the weights' bytes after `quant`, and the capabilities, every backend embedding. `choice`:
+    the backend and why; `architecture`: the spec's unless given (a GGUF's general.architecture)."""
     template = None if rank_outputs else chat_template(spec, settings)
     return ModelPlan(
         spec=spec,
         settings=settings,
-        architecture=architecture,
-        backend=backend,
-        reason=reason,
+        architecture=architecture or spec.architecture,
+        backend=choice[0],
+        reason=choice[1],
         steps=steps,
         kv=kv,
         weight_bytes=weight_bytes(spec, quant),

@@ -101,16 +101,10 @@ class LlamaCppBackend:
             steps.append("write the vision projector (mmproj) beside it, for libmtmd")
         steps += [PROBE_STEP, "load it with llama.cpp (GPU layers fitted to the converted file)"]
         shape = model_shape(spec)
+        kv = llamacpp_kv(shape, settings) if shape is not None else None
+        vision = "LLaVA, through the projector written at conversion (libmtmd)" if llava else None
         return facts.make_plan(
-            spec,
-            settings,
-            backend=self.name,
-            reason=reason,
-            architecture=spec.architecture,
-            steps=tuple(steps),
-            kv=llamacpp_kv(shape, settings) if shape is not None else None,
-            quant=quant,
-            vision="LLaVA, through the projector written at conversion (libmtmd)" if llava else None,
+            spec, settings, (self.name, reason), tuple(steps), kv, quant=quant, vision=vision
         )
 
     def _plan_gguf(self, spec: ModelSpec, settings: EngineSettings, reason: str) -> ModelPlan:
@@ -119,18 +113,13 @@ class LlamaCppBackend:
             read_gguf_info(part)
         file_type = str(spec.quant.get("file_type", ""))
         if is_mmproj(info):
-            plan = facts.make_plan(
-                spec,
-                settings,
-                backend=self.name,
-                reason="a vision projector for libmtmd, not a model: serve its LLaVA text GGUF with it (beside it, "
-                "or as `mmproj` in models.toml)",
-                architecture=info.architecture,
-                steps=(),
-                kv=None,
-                quant=None,
-                vision=f"vision projector (mmproj): {describe_mmproj(info)}",
+            why = (
+                "a vision projector for libmtmd, not a model: serve its LLaVA text GGUF with it (beside it, or as "
+                "`mmproj` in models.toml)"
             )
+            vision = f"vision projector (mmproj): {describe_mmproj(info)}"
+            plan = facts.make_plan(spec, settings, (self.name, why), (), None, architecture=info.architecture,
+                                   vision=vision)  # fmt: skip
             return replace(plan, template=None, tool_format=None, capabilities=())
         if settings.quant and settings.quant.lower() != file_type.lower():
             raise ConfigError(
@@ -154,19 +143,8 @@ class LlamaCppBackend:
             steps += (
                 f"a classification head of {rank} output(s): rank pooling for /v1/rerank, no generation",
             )
-        return facts.make_plan(
-            spec,
-            settings,
-            backend=self.name,
-            reason=reason,
-            architecture=info.architecture,
-            steps=steps,
-            kv=kv,
-            quant=None,
-            vision=vision,
-            mmproj=mmproj,
-            rank_outputs=rank,
-        )
+        return facts.make_plan(spec, settings, (self.name, reason), steps, kv, architecture=info.architecture,
+                               vision=vision, mmproj=mmproj, rank_outputs=rank)  # fmt: skip
 
     def check(self, plan: ModelPlan) -> None:
         """What can fail before memory is spent: a GGUF loaded as it is gets its probe (cached). A router runs

@@ -70,16 +70,9 @@ class TorchBackend:
                 f"size the KV cache to {settings.torch.gpu_memory_utilization:.0%} of the GPU's memory, less what "
                 "the weights take"
             )
+        vision = _llava_vision(spec.config or {}) if llava else None
         return facts.make_plan(
-            spec,
-            settings,
-            backend=self.name,
-            reason=reason,
-            architecture=spec.architecture,
-            steps=tuple(steps),
-            kv=kv,
-            quant=quant,
-            vision=_llava_vision(spec.config or {}) if llava else None,
+            spec, settings, (self.name, reason), tuple(steps), kv, quant=quant, vision=vision
         )
 
     def check(self, plan: ModelPlan) -> None:
