@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantserve.chat import ChatTemplate, tool_format
+from quantserve.chat.template import read_template_file
 from quantserve.core.plan import CAPABILITIES, KVPlan, ModelPlan, TemplateSource
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError
@@ -25,13 +26,7 @@ def chat_template(spec: ModelSpec, settings: EngineSettings) -> TemplateSource |
     """
     if settings.chat_template:
         path = Path(settings.chat_template).expanduser()
-        try:
-            return TemplateSource(path.read_text(encoding="utf-8"), f"--chat-template {path}")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(
-                f"cannot read --chat-template file {path}: {exc}; give a Jinja template file",
-                param="chat_template",
-            ) from None
+        return TemplateSource(read_template_file(path), f"--chat-template {path}")
     if spec.format == "gguf":
         text = read_gguf_info(spec.files[0]).chat_template
         return TemplateSource(text, f"tokenizer.chat_template in {spec.files[0].name}") if text else None

@@ -38,6 +38,23 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, *
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
 
 
+def read_template_file(path: str | Path) -> str:
+    """A --chat-template file's Jinja source.
+
+    Raises:
+        ConfigError: it cannot be read, or is not UTF-8 text.
+    """
+    p = Path(path).expanduser()
+    try:
+        return p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(
+            f"cannot read --chat-template file {p}: {reason}; give a Jinja template file",
+            param="chat_template",
+        ) from None
+
+
 class ChatTemplate:
     """Renders OpenAI-style messages into a prompt string, exactly as transformers would (trim_blocks,
     lstrip_blocks, loopcontrols, raise_exception, strftime_now), but sandboxed: templates come from model files."""
@@ -59,12 +76,7 @@ class ChatTemplate:
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> ChatTemplate:
-        p = Path(path)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read --chat-template file {p}: {exc.strerror}") from exc
-        return cls(text, origin=str(p), **kw)
+        return cls(read_template_file(path), origin=str(path), **kw)
 
     def render(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any

@@ -8,7 +8,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,6 +18,7 @@ from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SequenceOutput, TokenLogprob
 from quantserve.errors import QuantserveError
 from quantserve.llm import LLM, RequestStream
+from quantserve.server.state import ServerState
 
 log = logging.getLogger("quantserve.server")
 
@@ -157,7 +158,7 @@ class Encoder(Protocol):
 class Run:
     """One text request on the engine: the model, the choices running, the prompts they continue."""
 
-    state: Any  # quantserve.server.state.ServerState
+    state: ServerState
     request: Request
     llm: LLM
     gens: list[RequestStream]
@@ -169,7 +170,7 @@ class Run:
     @classmethod
     def start(
         cls,
-        state: Any,
+        state: ServerState,
         request: Request,
         llm: LLM,
         t0: float,
