@@ -14,6 +14,7 @@ from typing import Any
 
 from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
 from quantserve.chat.formats import ToolFormat
+from quantserve.chat.reasoning import ReasoningFormat, ReasoningRequest, check_budget, check_effort
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import Image, ImageSpan, expand_images
 from quantserve.core.plan import ModelPlan
@@ -21,6 +22,7 @@ from quantserve.core.runner import ModelInfo, ModelRunner, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
+from quantserve.core.thinking import ThinkingSpec
 from quantserve.engine.async_engine import AsyncEngine, RequestStream
 from quantserve.engine.kv import make_kv
 from quantserve.engine.llm_engine import LLMEngine
@@ -104,6 +106,50 @@ class LLM:
     @cached_property
     def _format(self) -> ToolFormat:
         return tool_format(self._template())
+
+    @cached_property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How the model's template marks reasoning (None: it has none, or no template)."""
+        return None if self.chat_template is None else self.chat_template.reasoning
+
+    def reasoning_request(
+        self,
+        *,
+        enable: bool | None = None,
+        budget: Any = None,
+        effort: Any = None,
+        asked: str | None = None,
+        budget_param: str = "reasoning_budget",
+        effort_param: str = "reasoning_effort",
+    ) -> ReasoningRequest:
+        """A request's reasoning controls over the server's defaults (--reasoning, --reasoning-format,
+        --reasoning-budget, models.toml). `enable`: the request's own switch; `asked`: the field that asked for
+        thinking explicitly (a 400 names it if the model has no reasoning).
+
+        Raises:
+            InvalidRequestError: a budget that is not a positive integer, an effort not low/medium/high.
+        """
+        s = self.settings
+        mode = s.reasoning if enable is None else ("on" if enable else "off")
+        budget = check_budget(budget, budget_param)
+        if budget is None and s.reasoning_budget is not None:
+            budget = s.reasoning_budget
+        return ReasoningRequest(
+            mode=mode,
+            budget=budget,
+            effort=check_effort(effort, effort_param),
+            separate=s.reasoning_format != "none",
+            asked=asked,
+        )
+
+    def thinking_spec(self, prompt: ChatPrompt) -> ThinkingSpec | None:
+        """What the engine watches in a reply that may think: the block's markers, and the end marker's tokens
+        to write once the budget is spent."""
+        fmt = prompt.reasoning
+        if fmt is None:
+            return None
+        forced = self._runner.tokenize(fmt.close_text, add_special=False, parse_special=True)
+        return ThinkingSpec(fmt.start.encode(), fmt.end.encode(), prompt.opened, prompt.budget, tuple(forced))
 
     @staticmethod
     def plan_for(model: ResolvedModel, settings: EngineSettings) -> ModelPlan:
@@ -210,9 +256,10 @@ class LLM:
             InvalidRequestError: a response schema or tool schema the grammar engine cannot take; images the
                 template did not place.
         """
-        special = self.guides.special if request.calls_tools else {}
+        thinking = self.reasoning_format
+        special = self.guides.special if request.calls_tools or thinking is not None else {}
         fmt = self._format if request.needs_format else None
-        prompt = build_prompt(self._template(), fmt, request, special)
+        prompt = build_prompt(self._template(), fmt, request, special, thinking)
         tokens = self.tokenize_prompt(prompt.text, chat=True)
         if self.vision is None:
             return prompt, tokens, []

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quantserve.errors import ConfigError, ModelNotFoundError
 
@@ -32,6 +32,10 @@ class ModelEntry(BaseModel):
     quant: str = ""
     ctx_size: int = 0
     chat_template: str | None = None
+    # thinking models (see `quantserve run --help`): on/off/auto, auto/none, and the most reasoning tokens
+    reasoning: Literal["auto", "on", "off"] | None = None
+    reasoning_format: Literal["auto", "none"] | None = None
+    reasoning_budget: int | None = Field(default=None, ge=0)
     # layers llama.cpp puts on the GPU: auto, all or a number (None: --n-gpu-layers, itself auto by default)
     n_gpu_layers: int | str | None = None
     # a LLaVA text GGUF's vision projector, relative to models.toml; without it an mmproj GGUF beside the model

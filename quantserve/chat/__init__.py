@@ -4,7 +4,7 @@ of replies into text and tool calls."""
 from __future__ import annotations
 
 from quantserve.chat.prompt import ChatPrompt, ChatRequest, build_prompt, tool_format
-from quantserve.chat.reply import CallDelta, Event, Reply, ReplyAssembler, TextDelta
+from quantserve.chat.reply import CallDelta, Event, ReasoningDelta, Reply, ReplyAssembler, TextDelta
 from quantserve.chat.template import ChatTemplate
 from quantserve.chat.tools import Tool, ToolCall, ToolChoice
 
@@ -14,6 +14,7 @@ __all__ = [
     "ChatRequest",
     "ChatTemplate",
     "Event",
+    "ReasoningDelta",
     "Reply",
     "ReplyAssembler",
     "TextDelta",

@@ -11,10 +11,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.chat.formats import GrammarSpec, ToolFormat, detect
+from quantserve.chat.reasoning import (
+    REASONING_KEYS,
+    ReasoningFormat,
+    ReasoningRequest,
+    ReasoningSplitter,
+    after_reasoning,
+)
 from quantserve.chat.reply import ReplyAssembler
 from quantserve.chat.template import ChatTemplate
 from quantserve.chat.tools import CallChecker, Tool, ToolChoice
-from quantserve.errors import ChatTemplateError
+from quantserve.errors import ChatTemplateError, InvalidRequestError
 from quantserve.structured import Grammar, check, json_schema_grammar
 
 
@@ -36,6 +43,7 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # the last message is the assistant's, and the reply continues it (Anthropic's prefill)
     continue_final: bool = False
+    reasoning: ReasoningRequest = ReasoningRequest()
 
     @property
     def calls_tools(self) -> bool:
@@ -65,20 +73,28 @@ class ChatPrompt:
     format: ToolFormat | None  # set when the reply may hold tool calls
     request: ChatRequest
     prefill: str = ""  # the text the reply continues (continue_final): the parser reads it first, silently
+    reasoning: ReasoningFormat | None = None  # set when the reply may think
+    separate: bool = True  # its reasoning is split from its answer (else left in the content)
+    opened: bool = False  # the prompt ends inside a reasoning block
+    budget: int | None = None  # reasoning tokens allowed (None: unbounded)
 
     @property
     def skip_special_tokens(self) -> bool:
-        """Whether control tokens may print nothing: not when the reply's tool-call markers are control tokens
-        (`[TOOL_CALLS]`, `<|python_tag|>`), which the parser must see."""
-        return self.format is None or not self.format.native
+        """Whether control tokens may print nothing: not when the reply's tool-call or reasoning markers are
+        control tokens (`[TOOL_CALLS]`, `<|python_tag|>`, `<|channel|>`), which the parsers must see."""
+        return (self.format is None or not self.format.native) and self.reasoning is None
 
     def assembler(self) -> ReplyAssembler | None:
         """A parser for one reply (one per choice), or None when the reply is plain text."""
-        if self.format is None:
+        split = self.reasoning is not None and self.separate
+        if self.format is None and not split:
             return None
         req = self.request
+        splitter = ReasoningSplitter(self.reasoning, self.opened) if split else None
+        if self.format is None:
+            return ReplyAssembler(None, reasoning=splitter)
         names = frozenset(t.name for t in req.callable_tools)
-        asm = ReplyAssembler(self.format.parser(names), CallChecker(req.tools), req.parallel)
+        asm = ReplyAssembler(self.format.parser(names), CallChecker(req.tools), req.parallel, splitter)
         asm.feed(self.prefill)  # what the client wrote itself is not sent back
         return asm
 
@@ -89,28 +105,49 @@ def tool_format(template: ChatTemplate) -> ToolFormat:
 
 
 def build_prompt(
-    template: ChatTemplate, fmt: ToolFormat | None, req: ChatRequest, special: dict[str, int]
+    template: ChatTemplate,
+    fmt: ToolFormat | None,
+    req: ChatRequest,
+    special: dict[str, int],
+    thinking: ReasoningFormat | None = None,
 ) -> ChatPrompt:
     """Render `req` and choose its grammar. `fmt` is the template's tool-call format (needed when
-    req.needs_format); `special` maps the vocabulary's control-token texts to their ids.
+    req.needs_format); `thinking` its reasoning format; `special` maps the vocabulary's control-token texts to
+    their ids.
 
     Raises:
         ChatTemplateError: the template rejects the messages, or rewrites a final message it should continue.
-        InvalidRequestError: a schema the grammar engine cannot take.
+        InvalidRequestError: a schema the grammar engine cannot take; reasoning asked of a template without it.
     """
-    messages = req.messages
+    rq = req.reasoning
+    if thinking is None and rq.asked is not None:
+        raise InvalidRequestError(
+            f"'{rq.asked}' asks for reasoning, but this model's chat template has none (no thinking block); "
+            "leave it out, or serve a reasoning model",
+            param=rq.asked,
+        )
+    messages = [_with_reasoning_keys(m) for m in req.messages]
     if "developer" not in template.source:  # OpenAI's newer name for the system role (llama.cpp maps it too)
         messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     extra: dict[str, Any] = {}
     if req.needs_format:
         assert fmt is not None
         messages, extra = fmt.prepare(messages, req.tools, req.tool_choice, req.parallel)
-    variables = {**req.template_kwargs, **extra}
+    variables = {**req.template_kwargs, **rq.variables(thinking), **extra}
     prefill = ""
     if req.continue_final:
         text, prefill = _continued(template, messages, variables)
     else:
         text = template.render(messages, add_generation_prompt=True, **variables)
+    opened = thinking is not None and thinking.opened_in(text)
+    if thinking is not None and rq.mode == "off" and not req.continue_final:
+        # thinking off, where the template has no switch or leaves the block open: an empty block closes it
+        if opened:
+            text += thinking.close_text
+        elif not thinking.switch:
+            text += thinking.empty_block
+        opened = False
+    thinks = thinking is not None and rq.mode != "off"
     grammar = None
     if req.response_schema is not None:
         grammar = check(json_schema_grammar(req.response_schema, param="response_format"))
@@ -118,9 +155,31 @@ def build_prompt(
         assert fmt is not None
         spec = GrammarSpec(req.callable_tools, req.tool_choice, req.parallel, req.response_schema, special)
         grammar = fmt.grammar(spec)
+    if grammar is not None and thinks:
+        assert thinking is not None
+        grammar = after_reasoning(grammar, thinking, opened, special)
     if grammar is not None and prefill:
         grammar = replace(grammar, prefix=prefill)
-    return ChatPrompt(text, grammar, fmt if req.calls_tools else None, req, prefill)
+    return ChatPrompt(
+        text,
+        grammar,
+        fmt if req.calls_tools else None,
+        req,
+        prefill,
+        reasoning=thinking if thinks else None,
+        separate=rq.separate,
+        opened=opened,
+        budget=rq.budget if thinks else None,
+    )
+
+
+def _with_reasoning_keys(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's earlier reasoning under every key templates read it from (Qwen3 and DeepSeek
+    `reasoning_content`, gpt-oss `thinking`, Gemma 4 `reasoning`); the template decides what it keeps."""
+    if message.get("role") != "assistant":
+        return message
+    text = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str) and message[k]), None)
+    return message if text is None else {**message, **dict.fromkeys(REASONING_KEYS[:3], text)}
 
 
 def _continued(template: ChatTemplate, messages: list[dict[str, Any]], variables: dict) -> tuple[str, str]:

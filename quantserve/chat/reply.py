@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantserve.chat.jsonscan import JsonScanner, Path, Span
+from quantserve.chat.reasoning import ReasoningSplitter, holdback
 from quantserve.chat.tools import CallChecker, ToolCall
 
 log = logging.getLogger("quantserve.chat")
@@ -37,7 +38,14 @@ class CallDelta:
     arguments: str = ""
 
 
-Event = TextDelta | CallDelta
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Part of the model's reasoning (its thinking), which comes before the answer."""
+
+    text: str
+
+
+Event = TextDelta | CallDelta | ReasoningDelta
 
 
 @dataclass(frozen=True)
@@ -45,17 +53,7 @@ class Reply:
     content: str | None
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str  # stop, length or tool_calls
-
-
-def holdback(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that could be the start of a marker (so it is not sent yet)."""
-    best = 0
-    for m in markers:
-        for k in range(min(len(m) - 1, len(text)), best, -1):
-            if text.endswith(m[:k]):
-                best = k
-                break
-    return best
+    reasoning: str | None = None
 
 
 class Content:
@@ -219,21 +217,58 @@ class JsonCallParser(ReplyParser):
 
 
 class ReplyAssembler:
-    """Runs a parser over one choice's text and decides, at the end, what the reply is."""
+    """Runs one choice's text through the reasoning splitter (for a model that thinks) and the tool-call parser
+    (for a request with tools), and decides, at the end, what the reply is. Without a parser the answer is
+    plain text."""
 
-    def __init__(self, parser: ReplyParser, checker: CallChecker, parallel: bool = True):
+    def __init__(
+        self,
+        parser: ReplyParser | None,
+        checker: CallChecker | None = None,
+        parallel: bool = True,
+        reasoning: ReasoningSplitter | None = None,
+    ):
         self.parser = parser
         self.checker = checker
         self.parallel = parallel
+        self.reasoning = reasoning
         self._content: list[str] = []
         self._held: list[Event] = []  # from the first delta of a call not yet complete on
 
     def feed(self, text: str) -> list[Event]:
-        return self._keep(self.parser.feed(text)) if text else []
+        if not text:
+            return []
+        if self.reasoning is None:
+            return self._answer(text, final=False)
+        thought, answer = self.reasoning.feed(text)
+        head: list[Event] = [ReasoningDelta(thought)] if thought else []
+        return head + self._answer(answer, final=False)
+
+    def _answer(self, text: str, final: bool) -> list[Event]:
+        if self.parser is None:
+            self._content.append(text)
+            return [TextDelta(text)] if text else []
+        events = self.parser.feed(text) if text else []
+        if final:
+            events += self.parser.finish()
+        return self._keep(events)
 
     def finish(self, finish_reason: str) -> tuple[list[Event], Reply]:
-        events = self._keep(self.parser.finish())  # what is still held belongs to an unfinished call: dropped
+        events: list[Event] = []
+        thought = None
+        if self.reasoning is not None:
+            last, answer = self.reasoning.finish()
+            events += [ReasoningDelta(last)] if last else []
+            events += self._answer(answer, final=self.parser is not None)
+            thought = self.reasoning.reasoning or None
+        elif self.parser is not None:
+            events += self._keep(
+                self.parser.finish()
+            )  # what is still held belongs to an unfinished call: dropped
+        if self.parser is None:
+            return events, Reply("".join(self._content), (), finish_reason, thought)
         p = self.parser
+        assert self.checker is not None
         unfinished = p.cut or any(not c.complete for c in p.calls)
         # Cut off by max_tokens in the middle of the calls: the calls written in full stand, the unfinished one is
         # dropped (as the stream, which sent each call once it was complete). Otherwise an unfinished call means
@@ -255,11 +290,12 @@ class ReplyAssembler:
             problem = next((q for q in map(self.checker.problem, calls) if q), None)
         if problem is not None:
             log.info("a reply is returned as text: %s", problem)
-            return events, Reply(p.text or None, (), finish_reason)
+            return events, Reply(p.text or None, (), finish_reason, thought)
         content = "".join(self._content) or None
         if calls:
-            return events, Reply(content, calls, "tool_calls" if finish_reason == "stop" else finish_reason)
-        return events, Reply(content, (), finish_reason)
+            reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            return events, Reply(content, calls, reason, thought)
+        return events, Reply(content, (), finish_reason, thought)
 
     def _keep(self, events: list[Event]) -> list[Event]:
         """The events that can go out now, in order: none from a call that is not complete yet."""

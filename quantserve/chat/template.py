@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from quantserve.errors import ChatTemplateError, ConfigError
+
+if TYPE_CHECKING:
+    from quantserve.chat.reasoning import ReasoningFormat
 
 
 def _raise_exception(message: str) -> None:
@@ -97,6 +100,13 @@ class ChatTemplate:
             ) from exc
 
     # ---- what the template can do -------------------------------------------------------------------
+
+    @cached_property
+    def reasoning(self) -> ReasoningFormat | None:
+        """How the template marks reasoning, from probe renders (quantserve.chat.reasoning)."""
+        from quantserve.chat.reasoning import detect_reasoning
+
+        return detect_reasoning(self)
 
     @cached_property
     def probe(self) -> TemplateProbe:

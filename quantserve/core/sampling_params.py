@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from quantserve.core.thinking import ThinkingSpec
 from quantserve.errors import InvalidRequestError
 from quantserve.structured.grammars import Grammar
 
@@ -37,6 +38,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # control tokens print nothing (False: they print their text, so tool-call markers can be parsed)
     skip_special_tokens: bool = True
+    thinking: ThinkingSpec | None = None  # a reasoning block to count, and to close once its budget is spent
 
     def __post_init__(self) -> None:
         checks = [

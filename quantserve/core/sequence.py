@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import ImageSpan
 from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.thinking import ThinkState
 
 if TYPE_CHECKING:
     from quantserve.structured import Guide
@@ -53,6 +54,7 @@ class SequenceOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     stop: str | None = None  # the stop string that ended the sequence, if one did
+    num_reasoning_tokens: int = 0  # of num_output_tokens, those inside the reasoning block
 
 
 _counter = itertools.count()
@@ -80,9 +82,12 @@ class Sequence:
     guide: Guide | None = None  # the grammar its output must follow (params.grammar), if any
     stop_hit: str | None = None  # the stop string that ended it
     images: list[ImageSpan] = field(default_factory=list)  # images in the prompt, in order
+    thinking: ThinkState | None = None  # its reasoning block (params.thinking), if it has one
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_tokens)
+        if self.params.thinking is not None:
+            self.thinking = ThinkState(self.params.thinking)
 
     @property
     def cache_tokens(self) -> list:

@@ -51,6 +51,9 @@ class ModelDefaults(Protocol):
     quant: str
     ctx_size: int
     chat_template: str | None
+    reasoning: str | None
+    reasoning_format: str | None
+    reasoning_budget: int | None
     sampling: dict[str, Any]
 
 
@@ -66,6 +69,9 @@ class EngineSettings:
     threads: int = 0  # CPU threads; 0 = all cores
     seed: int | None = None  # for requests that give none
     chat_template: str | None = None  # a file overriding the model's template
+    reasoning: str = "auto"  # thinking models: on, off, or auto (the template's default)
+    reasoning_format: str = "auto"  # auto: reasoning apart from the answer; none: left in the content
+    reasoning_budget: int | None = None  # most reasoning tokens per reply (None: unbounded)
     quant: str | None = None  # quantize a dense checkpoint at load (q4_k_m, int4, ...)
     use_cache: bool = True  # keep in-situ conversions in the cache, not in a temporary directory
     cache_dir: str | None = None
@@ -116,5 +122,14 @@ class EngineSettings:
             ctx_size=self.ctx_size or entry.ctx_size,
             quant=self.quant or entry.quant or None,
             chat_template=self.chat_template or entry.chat_template,
+            reasoning=entry.reasoning if self.reasoning == "auto" and entry.reasoning else self.reasoning,
+            reasoning_format=(
+                entry.reasoning_format
+                if self.reasoning_format == "auto" and entry.reasoning_format
+                else self.reasoning_format
+            ),
+            reasoning_budget=(
+                self.reasoning_budget if self.reasoning_budget is not None else entry.reasoning_budget
+            ),
             sampling_defaults={**entry.sampling, **self.sampling_defaults},
         )

@@ -82,6 +82,11 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int, logprob) -> SequenceOutput | None:
         p = seq.params
+        thinking = seq.thinking
+        if (
+            thinking is not None and thinking.forcing
+        ):  # a spent thinking budget: its end marker goes in instead
+            token, logprob = thinking.next_token(token), None
         # ignore_eos does not hold against a grammar: once it is complete, the end is all it allows
         if self.runner.is_eog(token) and (not p.ignore_eos or seq.guide is not None):
             return self._finish(seq, SequenceStatus.FINISHED_STOPPED, seq.detokenizer.flush(), None)
@@ -98,6 +103,10 @@ class LLMEngine:
             piece = self.runner.token_bytes(token)
         else:
             piece = self.runner.token_bytes(token, special=True)
+        if thinking is not None:
+            thinking.observe(
+                piece if not p.skip_special_tokens else self.runner.token_bytes(token, special=True)
+            )
         text, hit_stop = seq.detokenizer.add(piece)
         lps = [logprob] if logprob is not None else None
         if hit_stop:
@@ -130,4 +139,5 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             stop=seq.stop_hit,
+            num_reasoning_tokens=seq.thinking.count if seq.thinking is not None else 0,
         )

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fastapi import Request
@@ -65,6 +65,7 @@ class Choice:
     stop: str | None = None  # the stop string that ended it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_reasoning_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     assembler: ReplyAssembler | None = None  # chats with tools: text -> content and tool calls
     reply: Reply | None = None  # chats: what the reply is, once finished
@@ -73,6 +74,7 @@ class Choice:
         """Record one output; for a chat, return the reply events it makes."""
         self.text += out.text
         self.num_output_tokens = out.num_output_tokens
+        self.num_reasoning_tokens = out.num_reasoning_tokens
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         if self.assembler is not None:
@@ -181,7 +183,10 @@ class Run:
         images=None,
         chat: ChatPrompt | None = None,
     ) -> Run:
-        """Submit n choices per prompt; a chat's choices each get the prompt's reply parser."""
+        """Submit n choices per prompt; a chat's choices each get the prompt's reply parser (and a thinking
+        model's, the engine's watch over its reasoning)."""
+        if chat is not None and chat.reasoning is not None:
+            params = replace(params, thinking=llm.thinking_spec(chat), skip_special_tokens=False)
         gens, choices = start(llm, prompts, params, n, rid, images)
         if chat is not None:
             for c in choices:
@@ -276,4 +281,12 @@ async def until_disconnect(request: Request, coro) -> bool:
 def usage(choices: list[Choice], prompts: list[list[int]]) -> dict:
     prompt = sum(len(p) for p in prompts)
     completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    reasoning = sum(c.num_reasoning_tokens for c in choices)
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return out

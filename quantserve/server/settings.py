@@ -100,6 +100,22 @@ class ServerSettings(BaseModel):
     chat_template: str | None = Field(
         default=None, description="Jinja file overriding the model's chat template"
     )
+    reasoning: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="thinking models: 'on' or 'off' switches thinking for every request that does not say "
+        "(chat_template_kwargs.enable_thinking, Anthropic's thinking); 'auto' keeps the template's default",
+    )
+    reasoning_format: Literal["auto", "none"] = Field(
+        default="auto",
+        description="'auto': a thinking model's reasoning comes apart from its answer (reasoning_content, "
+        "Anthropic thinking blocks, Responses reasoning items); 'none': left in the content as written",
+    )
+    reasoning_budget: int | None = Field(
+        default=None,
+        ge=0,
+        description="most reasoning tokens per reply; then the end of the thinking block is written into the "
+        "reply and the model answers (default: unbounded; 0: no thinking)",
+    )
     responses_store_size: int = Field(
         default=1024, ge=0, description="responses kept for previous_response_id (/v1/responses; 0: none)"
     )

@@ -128,6 +128,8 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False  # vLLM's: the reply continues the final (assistant) message
+    reasoning_effort: Any = None  # low, medium or high (templates that read it: gpt-oss, DeepSeek V4)
+    reasoning_budget: Any = None  # most reasoning tokens (checked by the LLM, so the 400 names the field)
 
 
 class CompletionRequest(_Request):

@@ -7,7 +7,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 
-from quantserve.chat import ChatRequest, TextDelta
+from quantserve.chat import ChatRequest, ReasoningDelta, TextDelta
 from quantserve.chat.tools import parse_openai_tool_choice, parse_openai_tools
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
@@ -53,18 +53,31 @@ def _params(
 # ---- chat --------------------------------------------------------------------------------------
 
 
-def chat_request(body: ChatCompletionRequest, reader: ContentReader) -> ChatRequest:
+def chat_request(body: ChatCompletionRequest, reader: ContentReader, llm: LLM) -> ChatRequest:
     """The OpenAI chat request as the library's ChatRequest (400s name the field at fault); its images' sources
-    are left in `reader`."""
+    are left in `reader`. Thinking is switched by chat_template_kwargs.enable_thinking (vLLM's and llama.cpp's
+    way) and bounded by reasoning_budget."""
     tools = parse_openai_tools(body.tools)
+    kwargs = dict(body.chat_template_kwargs or {})
+    enable = kwargs.pop("enable_thinking", None)
+    if enable is not None and not isinstance(enable, bool):
+        raise InvalidRequestError(
+            f"'chat_template_kwargs.enable_thinking' must be true or false; got {enable!r}",
+            param="chat_template_kwargs.enable_thinking",
+        )
+    asked = "reasoning_budget" if body.reasoning_budget is not None else None
+    asked = asked or ("chat_template_kwargs.enable_thinking" if enable else None)
     return ChatRequest(
         messages=[m.for_template(i, reader) for i, m in enumerate(body.messages)],
         tools=tools,
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
         parallel_tool_calls=body.parallel_tool_calls,
         response_schema=response_schema(body.response_format),
-        template_kwargs=dict(body.chat_template_kwargs or {}),
+        template_kwargs=kwargs,
         continue_final=body.continue_final_message,
+        reasoning=llm.reasoning_request(
+            enable=enable, budget=body.reasoning_budget, effort=body.reasoning_effort, asked=asked
+        ),
     )
 
 
@@ -83,6 +96,9 @@ def _message(c: Choice) -> dict:
         "role": "assistant",
         "content": reply.content if reply.tool_calls else (reply.content or ""),
     }
+    if reply.reasoning is not None:
+        # llama.cpp's and DeepSeek's name, and vLLM's newer one: clients read one or the other
+        message["reasoning_content"] = message["reasoning"] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = [
             {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
@@ -94,6 +110,8 @@ def _message(c: Choice) -> dict:
 def _delta(event) -> dict:
     if isinstance(event, TextDelta):
         return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text, "reasoning": event.text}
     call: dict = {"index": event.index}
     if event.name is not None:  # a call's first delta
         call |= {
@@ -181,7 +199,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     llm = await state.acquire(request, body.model)
     t0 = time.perf_counter()
     reader = state.reader(llm)
-    req = chat_request(body, reader)
+    req = chat_request(body, reader, llm)
     prompt, tokens, images = llm.prepare_chat(req, await reader.load(state.media))
     max_tokens = llm.check_context(len(tokens), body.max_completion_tokens or body.max_tokens)
     params = _params(

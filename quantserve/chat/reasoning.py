@@ -1,0 +1,383 @@
+"""Reasoning ("thinking") in a model's replies: how its template marks it, and the splitting of a reply into its
+reasoning and its answer as it streams.
+
+The format is read from the template, never from the model's name. A probe render writes an assistant turn that
+holds both a known reasoning text and a known answer (under every key templates read it from:
+`reasoning_content`, `reasoning`, `thinking`, `thought`, or a `thinking` content block) and takes the markers
+around the reasoning: `<think>`…`</think>` for Qwen3, DeepSeek, GLM, Kimi and MiniMax, `[THINK]`…`[/THINK]` for
+Ministral, `<seed:think>` for Seed-OSS, and harmony's analysis channel up to the final one for gpt-oss. A template
+that drops reasoning from its history but names a known marker (DeepSeek-R1's distills open `<think>` in their
+generation prompt) gets that marker's pair. Renders of the generation prompt then tell whether the prompt opens
+the block itself (the reply starts inside it) and whether the template reads `enable_thinking`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from quantserve.errors import ChatTemplateError, InvalidRequestError
+from quantserve.structured import Grammar, lark_literal
+
+if TYPE_CHECKING:
+    from quantserve.chat.template import ChatTemplate
+
+PROBE_THOUGHT = "probe thought 5e1d"
+PROBE_ANSWER = "probe answer 5e1d"
+
+# Known start markers and their ends, for templates that do not write reasoning back into their history.
+KNOWN = {
+    "<think>": "</think>",
+    "<seed:think>": "</seed:think>",
+    "[THINK]": "[/THINK]",
+    "<thinking>": "</thinking>",
+    "<|START_THINKING|>": "<|END_THINKING|>",
+}
+HARMONY_START = "<|channel|>analysis<|message|>"
+# Names shown in `inspect`, /v1/models and logs, by start marker.
+NAMES = {
+    "<think>": "think",
+    "<seed:think>": "seed-oss",
+    "[THINK]": "mistral",
+    "<thinking>": "thinking-tags",
+    "<|channel|>analysis<|message|>": "harmony",
+    "<|START_THINKING|>": "command-r",
+    "<|channel>thought": "gemma4",
+    "<mm:think>": "minimax-m3",
+    "<think:opensource>": "hunyuan",
+    "<|inner_prefix|>": "apertus",
+    "<|think|>": "solar",
+    "Here are my reasoning steps:": "apriel",
+}
+
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking", "thought")
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a template's replies hold reasoning.
+
+    `start` and `end` are the markers (whitespace stripped); `open_text` and `close_text` are what the template
+    writes around an empty block, whitespace included, so that `open_text + close_text` is an empty block as the
+    template spells it (how thinking is switched off where the template has no switch of its own). `opened`: the
+    generation prompt ends inside a block. `switch`: the template reads `enable_thinking`.
+    """
+
+    name: str
+    start: str
+    end: str
+    open_text: str
+    close_text: str
+    opened: bool
+    switch: bool
+    # what a new message's header looks like when the answer is a message of its own after the reasoning's
+    # (harmony: `<|start|>assistant<|channel|>final<|message|>`): dropped from the answer
+    answer_header: str = ""
+
+    @property
+    def header_re(self) -> re.Pattern[str] | None:
+        """The answer header, allowing what harmony writes between the channel and `<|message|>`."""
+        if not self.answer_header:
+            return None
+        head, sep, _ = self.answer_header.rpartition("<|message|>")
+        if not sep:
+            return re.compile(re.escape(self.answer_header))
+        return re.compile(re.escape(head) + r"[^<]*(?:<\|constrain\|>[^<]*)?<\|message\|>")
+
+    def describe(self) -> str:
+        how = [f"{self.start}…{self.end}"]
+        if self.opened:
+            how.append("opened by the prompt")
+        if self.switch:
+            how.append("enable_thinking")
+        return f"{self.name} ({', '.join(how)})"
+
+    def opened_in(self, prompt: str) -> bool:
+        """Whether `prompt` ends inside a reasoning block (its last start marker has no end after it)."""
+        at = prompt.rfind(self.start)
+        return at != -1 and prompt.find(self.end, at + len(self.start)) == -1
+
+    @property
+    def empty_block(self) -> str:
+        return self.open_text + self.close_text
+
+
+def detect_reasoning(template: ChatTemplate) -> ReasoningFormat | None:
+    """The template's reasoning format, or None when it knows no reasoning (see the module's docstring)."""
+    user = {"role": "user", "content": "probe question"}
+
+    def render(messages, gen: bool, **kw) -> str | None:
+        try:
+            return template.render(
+                messages, add_generation_prompt=gen, enable_thinking=True, thinking=True, **kw
+            )
+        except ChatTemplateError:
+            return None
+
+    head = render([user], True)
+    if head is None:
+        return None
+    base = render([user], False) or ""
+    markers = _from_history(render, user, base)
+    try:
+        off = template.render([user], add_generation_prompt=True, enable_thinking=False, thinking=False)
+    except ChatTemplateError:
+        off = head
+    try:
+        base_off = template.render([user], add_generation_prompt=False, enable_thinking=False, thinking=False)
+    except ChatTemplateError:
+        base_off = base
+    gen_on = head[len(os.path.commonprefix([base, head])) :]
+    gen_off = off[len(os.path.commonprefix([base_off, off])) :]
+    markers = markers or _from_switch(gen_on, gen_off) or _from_known(head, template.source)
+    if markers is None:
+        return None
+    start, end, open_text, close_text = markers
+    if not start:
+        start = gen_on.strip().rsplit("\n", 1)[-1].strip()
+        open_text = start + "\n"
+        if not start:
+            return None
+    header = ""
+    if "<|start|>" in end[1:]:  # the answer is a new message (harmony): the reasoning ends with its message
+        at = end.index("<|start|>", 1)
+        end, header = end[:at], end[at:]
+    fmt = ReasoningFormat(
+        name=NAMES.get(start, "custom"),
+        start=start,
+        end=end,
+        open_text=open_text,
+        close_text=close_text,
+        opened=False,
+        switch=off != head,
+        answer_header=header,
+    )
+    gen = head[len(os.path.commonprefix([base, head])) :]
+    return replace(fmt, opened=fmt.opened_in(gen))
+
+
+def _from_history(render, user, base) -> tuple[str, str, str, str] | None:
+    """Markers from an assistant turn that holds PROBE_THOUGHT before PROBE_ANSWER (`base`: the prompt up to
+    that turn). The start marker is where that turn departs from a turn with the answer alone, taken from the
+    beginning of the marker it departs in (`<|channel|>analysis…` against `<|channel|>final…`)."""
+    keyed = {"role": "assistant", "content": PROBE_ANSWER, **dict.fromkeys(REASONING_KEYS, PROBE_THOUGHT)}
+    blocks = [{"type": "thinking", "thinking": PROBE_THOUGHT}, {"type": "text", "text": PROBE_ANSWER}]
+    apertus = {
+        "blocks": [{"type": "thoughts", "text": PROBE_THOUGHT}, {"type": "response", "text": PROBE_ANSWER}]
+    }
+    plain = render([user, {"role": "assistant", "content": PROBE_ANSWER}], False) or ""
+    plain_turn = plain[len(os.path.commonprefix([base, plain])) :]
+    for assistant in (
+        keyed,
+        {"role": "assistant", "content": blocks},
+        {"role": "assistant", "content": apertus},
+    ):
+        full = render([user, assistant], False)
+        if full is None or PROBE_THOUGHT not in full:
+            continue
+        turn = full[len(os.path.commonprefix([base, full])) :]
+        t = turn.find(PROBE_THOUGHT)
+        a = turn.find(PROBE_ANSWER, t)
+        if a == -1 or "'type'" in turn or '"type"' in turn:
+            continue  # not rendered as reasoning: the content blocks printed as data
+        k = len(os.path.commonprefix([turn[:t], plain_turn]))
+        while k > 0 and turn[k] not in "<[" and not turn[k - 1].isspace():
+            k -= 1
+        open_text, between = turn[k:t].lstrip(), turn[t + len(PROBE_THOUGHT) : a]
+        start, end = open_text.strip(), between.strip()
+        if end:
+            return start, end, open_text, between  # no start: the generation prompt writes it (Apriel 1.6)
+    return None
+
+
+def _from_switch(head: str, off: str) -> tuple[str, str, str, str] | None:
+    """Markers from the empty block a template writes into its generation prompt when thinking is off
+    (Gemma 4's `<|channel>thought\n<channel|>`), split at its first whitespace."""
+    if not off.startswith(head) or off == head:
+        return None
+    block = off[len(head) :]
+    parts = block.strip().split(None, 1)
+    if len(parts) != 2:
+        return None
+    start, end = parts
+    split = block.index(start) + len(start)
+    return start, end, block[:split], block[split:]
+
+
+def _from_known(head: str, source: str) -> tuple[str, str, str, str] | None:
+    """A known marker pair that the generation prompt opens, or that the template's source names."""
+    tail = head.rstrip()
+    for start, end in KNOWN.items():
+        if tail.endswith(start):
+            return start, end, head[head.rfind(start) :], f"\n{end}\n\n"
+    for start, end in KNOWN.items():
+        if start in source and end in source:
+            return start, end, f"{start}\n", f"\n{end}\n\n"
+    return None
+
+
+def holdback(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could be the start of a marker (so it is not sent yet)."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class ReasoningSplitter:
+    """Splits one reply, as it streams, into reasoning and the text after it.
+
+    A reply whose prompt opened a block (`opened`) starts in its reasoning; any other reply starts in reasoning
+    only if it opens a block itself, first thing. The reasoning ends at the end marker; a reply that never writes
+    it was all reasoning (cut off by max_tokens, or a model that stopped while thinking), as llama.cpp reads it.
+    Whitespace around the reasoning and at the start of the answer is dropped.
+    """
+
+    def __init__(self, fmt: ReasoningFormat, opened: bool):
+        self.fmt = fmt
+        self.state = "reasoning" if opened else "start"
+        self.buf = ""
+        self.reasoning = ""  # all of it, once finished
+        self._fresh = (
+            True  # at the start of the reasoning (its leading whitespace and a repeated marker dropped)
+        )
+        self._strip_answer = opened  # the answer after a block starts at its first non-blank character
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, answer text) that can go out now."""
+        self.buf += text
+        reasoning = answer = ""
+        if self.state == "start":
+            rest = self.buf.lstrip()
+            if rest.startswith(self.fmt.start):
+                self.buf = rest[len(self.fmt.start) :]
+                self.state = "reasoning"
+                self._strip_answer = True
+            elif rest.startswith(self.fmt.end):  # an empty block whose start the model left out
+                self.buf = rest
+                self.state = "reasoning"
+                self._strip_answer = True
+            elif not final and (not rest or any(m.startswith(rest) for m in (self.fmt.start, self.fmt.end))):
+                return "", ""
+            else:
+                self.state = "answer"
+        if self.state == "reasoning":
+            if self._fresh:
+                rest = self.buf.lstrip()
+                if rest.startswith(self.fmt.start):
+                    rest = rest[len(self.fmt.start) :].lstrip()
+                elif not final and (not rest or self.fmt.start.startswith(rest)):
+                    return "", ""
+                self.buf = rest
+                self._fresh = not rest
+            at = self.buf.find(self.fmt.end)
+            if at != -1:
+                reasoning = self.buf[:at].rstrip()
+                self.buf = self.buf[at + len(self.fmt.end) :]
+                self.state = "answer"
+            else:
+                keep = 0 if final else holdback(self.buf, (self.fmt.end,))
+                body = self.buf[: len(self.buf) - keep]
+                sent = body if final else body.rstrip()  # trailing whitespace waits: it may precede the end
+                reasoning, self.buf = sent, self.buf[len(sent) :]
+            self.reasoning += reasoning
+        if self.state == "answer":
+            answer, self.buf = self.buf, ""
+            if self._strip_answer:
+                answer = answer.lstrip()
+                header = self.fmt.header_re
+                if header is not None:
+                    if not final and len(answer) < 200 and "<|message|>" not in answer and answer:
+                        self.buf = answer  # the header may still be coming
+                        return reasoning, ""
+                    m = header.match(answer)
+                    answer = answer[m.end() :].lstrip() if m else answer
+                self._strip_answer = not answer
+        return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        return self.feed("", final=True)
+
+
+EFFORTS = ("low", "medium", "high")
+
+
+@dataclass(frozen=True)
+class ReasoningRequest:
+    """What a request (over the server's defaults) asks of the reasoning.
+
+    `mode`: on, off, or auto (thinking where the model thinks by itself). `budget`: at most this many reasoning tokens (None:
+    unbounded). `effort`: low, medium or high, for templates that read `reasoning_effort` (gpt-oss). `separate`:
+    reasoning goes apart from the answer (--reasoning-format auto); False leaves it in the content as written.
+    `asked`: the request field that asked for reasoning, named in the error when the model has none.
+    """
+
+    mode: str = "auto"
+    budget: int | None = None
+    effort: str | None = None
+    separate: bool = True
+    asked: str | None = None
+
+    def variables(self, fmt: ReasoningFormat | None) -> dict[str, Any]:
+        """Template variables: the switch (`enable_thinking`, and Granite's `thinking`) and the effort."""
+        out: dict[str, Any] = {}
+        if fmt is not None:  # on unless asked off, as llama.cpp passes it (templates differ when it is unset)
+            out["enable_thinking"] = out["thinking"] = self.mode != "off"
+        if self.effort is not None:
+            out["reasoning_effort"] = self.effort
+        return out
+
+
+def check_budget(value: Any, param: str) -> int | None:
+    """A reasoning budget from a request: None or a positive integer.
+
+    Raises:
+        InvalidRequestError: anything else, naming `param`.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequestError(
+            f"'{param}' must be a positive integer (a number of reasoning tokens); got {value!r}", param=param
+        )
+    return value
+
+
+def check_effort(value: Any, param: str) -> str | None:
+    if value is None or value in EFFORTS:
+        return value
+    raise InvalidRequestError(f"'{param}' must be 'low', 'medium' or 'high'; got {value!r}", param=param)
+
+
+def after_reasoning(grammar: Grammar, fmt: ReasoningFormat, opened: bool, special: dict[str, int]) -> Grammar:
+    """`grammar`, applied from the end of the reasoning block (lazily, as llama.cpp's triggered grammars): the
+    block is free text up to its end marker, and a reply that does not open one starts with the grammar at
+    once. Blank space (and harmony's header of the answer) may come between the block and the grammar."""
+    inner = json.loads(grammar.source)["grammars"] if grammar.source.lstrip().startswith("{") else None
+    first, rest = (inner[0], inner[1:]) if inner else ({"lark_grammar": grammar.source}, [])
+    end = _lark_text(fmt.end, special)
+    header = f"({_lark_text(fmt.answer_header, special)})?" if fmt.answer_header else ""
+    block = (
+        f"think[lazy]: TEXT {end}"
+        if opened
+        else f"think: {_lark_text(fmt.start, special)} body\nbody[lazy]: TEXT {end}"
+    )
+    head = "think" if opened else "think?"
+    lark = f"start: {head} /[ \\t\\n]*/ {header} @inner\n{block}\nTEXT: /(.|\\n)*/"
+    doc = {"grammars": [{"lark_grammar": lark}, {**first, "name": "inner"}, *rest]}
+    return replace(grammar, source=json.dumps(doc, ensure_ascii=False))
+
+
+def _lark_text(text: str, special: dict[str, int]) -> str:
+    """Lark for `text`, its control tokens (by the vocabulary's `special`) by id and the rest as strings."""
+    names = sorted((t for t in special if t and t in text), key=len, reverse=True)
+    if not names:
+        return lark_literal(text)
+    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+    return " ".join(lark_literal(p, special) for p in parts if p)
