@@ -45,8 +45,16 @@ def tool_format_name(template: TemplateSource | None) -> str | None:
     return tool_format(ChatTemplate(template.text, origin=template.origin)).name
 
 
+def reasoning_name(template: TemplateSource | None) -> str | None:
+    """How the template marks reasoning, in words (quantserve.chat.reasoning); None: it has none."""
+    if template is None:
+        return None
+    fmt = ChatTemplate(template.text, origin=template.origin).reasoning
+    return fmt.describe() if fmt is not None else None
+
+
 def capabilities(
-    *, template: TemplateSource | None, vision: bool, embeds: bool, rank_outputs: int
+    *, template: TemplateSource | None, vision: bool, embeds: bool, rank_outputs: int, reasons: bool = False
 ) -> tuple[str, ...]:
     """What the model can be asked, in CAPABILITIES' order. A reranker (a classification head) only ranks, and
     only where its head gives a relevance (one or two outputs); a chat template gives chats, tools in its format,
@@ -58,6 +66,7 @@ def capabilities(
         have = {"completion"} | ({"chat", "tools", "rerank"} if chat else set())
         have |= {"vision"} if vision else set()
         have |= {"embeddings"} if embeds else set()
+        have |= {"reasoning"} if reasons else set()
     return tuple(c for c in CAPABILITIES if c in have)
 
 
@@ -113,6 +122,7 @@ def make_plan(
     tool-call format, the weights' bytes after `quant`, and the capabilities, every backend embedding. `choice`:
     the backend and why; `architecture`: the spec's unless given (a GGUF's general.architecture)."""
     template = None if rank_outputs else chat_template(spec, settings)
+    reasoning = reasoning_name(template)
     return ModelPlan(
         spec=spec,
         settings=settings,
@@ -124,8 +134,13 @@ def make_plan(
         weight_bytes=weight_bytes(spec, quant),
         template=template,
         tool_format=tool_format_name(template),
+        reasoning=reasoning,
         capabilities=capabilities(
-            template=template, vision=vision is not None, embeds=True, rank_outputs=rank_outputs
+            template=template,
+            vision=vision is not None,
+            embeds=True,
+            rank_outputs=rank_outputs,
+            reasons=reasoning is not None,
         ),
         vision=vision,
         mmproj=mmproj,

@@ -188,6 +188,11 @@ def _from_history(render, user, base) -> tuple[str, str, str, str] | None:
             k -= 1
         open_text, between = turn[k:t].lstrip(), turn[t + len(PROBE_THOUGHT) : a]
         start, end = open_text.strip(), between.strip()
+        if not start and end and plain_turn[k:].lstrip().startswith(end):
+            # the answer alone is written after an empty block (Qwen3): the start is the tag before the reasoning
+            tag = re.search(r"(<[^<>]*>|\[[^\[\]]*\])\s*$", turn[:t])
+            if tag is not None:
+                open_text, start = turn[tag.start() : t], tag.group(1)
         if end:
             return start, end, open_text, between  # no start: the generation prompt writes it (Apriel 1.6)
     return None

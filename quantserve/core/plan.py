@@ -59,6 +59,8 @@ class ModelPlan:
         str | None
     )  # the template's tool-call format (quantserve.chat.formats); None without a template
     capabilities: tuple[str, ...]  # a subset of CAPABILITIES
+    # how the template marks reasoning, in words (quantserve.chat.reasoning); None: it has none
+    reasoning: str | None = None
     vision: str | None = None  # what the model sees images with, in words; None: text only
     mmproj: Path | None = None  # a GGUF model's vision projector
     rank_outputs: int = 0  # a reranker GGUF's classification head (GGUFInfo.rank_outputs)
@@ -90,6 +92,7 @@ class ModelPlan:
             ("weights in memory", [_mib(self.weight_bytes)]),
             ("chat template", [self.template.origin if self.template else "none"]),
             ("tool calls", [self.tool_format or "none"]),
+            ("reasoning", [self.reasoning or "none"]),
             ("capabilities", [", ".join(self.capabilities) or "none"]),
             ("rerank", [self._rerank()]),
             *([("vision", [self.vision])] if self.vision else []),

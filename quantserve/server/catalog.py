@@ -134,6 +134,7 @@ def model_card(llm: LLM) -> dict:
             "backend": info.backend,
             "has_chat_template": llm.chat_template is not None,
             "tool_format": plan.tool_format,  # how its template writes tool calls (hermes, llama3, …)
+            "reasoning_format": plan.reasoning,  # how it marks its thinking (think (<think>…</think>), …)
             "input_modalities": ["text", "image"] if "vision" in plan.capabilities else ["text"],
         },
     }

@@ -40,6 +40,7 @@ class MessagesRequest(BaseModel):
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its "format": {"type": "json_schema", "schema": {...}}
+    thinking: Any = None  # {"type": "enabled", "budget_tokens": N} or {"type": "disabled"} (see thinking())
     stream: bool = False
     metadata: dict[str, Any] | None = None
 
@@ -57,6 +58,38 @@ class MessagesRequest(BaseModel):
                 param="output_config.format",
             )
         return fmt["schema"]
+
+    def thinking_controls(self) -> tuple[bool | None, int | None]:
+        """`thinking` as (on, off or unsaid; its budget).
+
+        Raises:
+            InvalidRequestError: a `thinking` that is not one of Anthropic's two shapes, or a budget that is not
+                a positive integer below max_tokens.
+        """
+        t = self.thinking
+        if t is None:
+            return None, None
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "disabled":
+            return False, None
+        if kind not in ("enabled", "adaptive"):
+            raise InvalidRequestError(
+                '\'thinking\' must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}',
+                param="thinking",
+            )
+        budget = t.get("budget_tokens")
+        if kind == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise InvalidRequestError(
+                f"'thinking.budget_tokens' must be a positive integer; got {budget!r}",
+                param="thinking.budget_tokens",
+            )
+        if budget is not None and budget >= self.max_tokens:
+            raise InvalidRequestError(
+                f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' ({self.max_tokens}): the "
+                "answer comes after the thinking, within max_tokens",
+                param="thinking.budget_tokens",
+            )
+        return True, budget
 
     @field_validator("stop_sequences")
     @classmethod
@@ -141,6 +174,7 @@ def chat_messages(messages: list[AnthropicMessage], reader: ContentReader) -> li
             continue
         parts: list[str | dict[str, Any]] = []  # texts and images, in order
         calls: list[dict[str, Any]] = []
+        thoughts: list[str] = []
         for j, block in enumerate(m.content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}[{j}]"
@@ -158,10 +192,18 @@ def chat_messages(messages: list[AnthropicMessage], reader: ContentReader) -> li
                 arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
                 function = {"name": block["name"], "arguments": arguments}
                 calls.append({"id": block["id"], "type": "function", "function": function})
-            elif kind not in ("thinking", "redacted_thinking"):  # a reasoning model's notes are not replayed
+            elif kind == "thinking" and m.role == "assistant":
+                # earlier reasoning goes back to the template, which keeps what its family keeps; the signature
+                # is ours (see routes.SIGNATURE) and carries nothing to check
+                if not isinstance(block.get("thinking"), str):
+                    raise InvalidRequestError(f"'{at}.thinking' must be a string", param=f"{at}.thinking")
+                thoughts.append(block["thinking"])
+            elif kind != "redacted_thinking":  # another server's encrypted reasoning: nothing to read
                 parts.append(reader.part(block, at, TEXT, images=m.role == "user"))
         if parts or calls or not m.content:
             message: dict[str, Any] = {"role": m.role, "content": join(parts)}
+            if thoughts:
+                message["reasoning_content"] = "\n\n".join(thoughts)
             if calls:
                 message["tool_calls"] = calls
             out.append(message)

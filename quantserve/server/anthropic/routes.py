@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from quantserve.chat import CallDelta, ChatRequest, Reply, TextDelta
+from quantserve.chat import ChatRequest, Event, ReasoningDelta, Reply, TextDelta
 from quantserve.chat.jsonscan import no_lone_surrogates
 from quantserve.core.multimodal import Image
 from quantserve.llm import LLM
@@ -43,7 +43,16 @@ async def _chat_request(
     schema = body.response_schema() if isinstance(body, MessagesRequest) else None
     # a final assistant message is a prefill: the reply continues it (Anthropic's API works that way)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    req = ChatRequest(messages, tools, choice, parallel, response_schema=schema, continue_final=prefill)
+    enable, budget = body.thinking_controls() if isinstance(body, MessagesRequest) else (None, None)
+    reasoning = llm.reasoning_request(
+        enable=enable,
+        budget=budget,
+        asked="thinking" if enable else None,
+        budget_param="thinking.budget_tokens",
+    )
+    req = ChatRequest(
+        messages, tools, choice, parallel, response_schema=schema, continue_final=prefill, reasoning=reasoning
+    )
     return req, await reader.load(state.media)
 
 
@@ -71,8 +80,17 @@ def _input(arguments: str) -> Any:
     return clean(json.loads(arguments))
 
 
+# Anthropic's clients require a signature on every thinking block, and send it back with the block. Ours signs
+# nothing: reasoning comes back as the text it is, and the template keeps what its family keeps.
+SIGNATURE = "quantserve"
+
+
 def _content(reply: Reply) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": reply.content}] if reply.content else []
+    blocks: list[dict[str, Any]] = []
+    if reply.reasoning:
+        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": SIGNATURE})
+    if reply.content:
+        blocks.append({"type": "text", "text": reply.content})
     return blocks + [
         {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
         for c in reply.tool_calls
@@ -93,11 +111,15 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text" or "tool_use"
+        self.open: str | None = None  # "thinking", "text" or "tool_use"
 
-    def take(self, event: TextDelta | CallDelta) -> list[bytes]:
+    def take(self, event: Event) -> list[bytes]:
         out: list[bytes] = []
-        if isinstance(event, TextDelta):
+        if isinstance(event, ReasoningDelta):
+            if self.open != "thinking":
+                out += self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+            delta = {"type": "thinking_delta", "thinking": event.text}
+        elif isinstance(event, TextDelta):
             if self.open != "text":
                 out += self._start({"type": "text", "text": ""}, "text")
             delta = {"type": "text_delta", "text": event.text}
@@ -122,8 +144,14 @@ class _Blocks:
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
+        if self.open == "thinking":
+            signed = {"type": "content_block_delta", "index": self.index}
+            signed["delta"] = {"type": "signature_delta", "signature": SIGNATURE}
+            out = [sse(signed, event="content_block_delta")]
+        else:
+            out = []
         self.open = None
-        return [sse({"type": "content_block_stop", "index": self.index}, event="content_block_stop")]
+        return [*out, sse({"type": "content_block_stop", "index": self.index}, event="content_block_stop")]
 
 
 class _MessageEncoder:

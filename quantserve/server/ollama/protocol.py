@@ -209,6 +209,8 @@ def chat_request(body: ChatBody, reader: ContentReader) -> ChatRequest:
             parts: list[Any] = [image_part(b, f"{where}.images[{j}]", reader) for j, b in enumerate(m.images)]
             content = [*parts, {"type": "text", "text": content}] if content else parts
         msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.role == "assistant" and m.thinking:
+            msg["reasoning_content"] = m.thinking
         if m.role == "assistant" and m.tool_calls:
             calls = []
             for j, call in enumerate(m.tool_calls):

@@ -14,13 +14,15 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
 
-from quantserve.chat import ChatRequest, TextDelta
+from quantserve.chat import ChatRequest, ReasoningDelta, TextDelta
+from quantserve.chat.reasoning import ReasoningRequest
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.generation import Choice, Run
@@ -116,6 +118,13 @@ def _check_think(llm: LLM, think) -> None:
         raise InvalidRequestError(f"{tagged(llm.name)!r} does not support thinking", param="think")
 
 
+def _reasoning(llm: LLM, think) -> ReasoningRequest:
+    """Ollama's `think`: true or false switches thinking, "low"/"medium"/"high" sets gpt-oss's effort."""
+    if think in ("low", "medium", "high"):
+        return llm.reasoning_request(enable=True, effort=think, asked="think")
+    return llm.reasoning_request(enable=think, asked="think" if think else None)
+
+
 def _tool_calls(c: Choice) -> list[dict[str, Any]]:
     assert c.reply is not None
     return [{"function": {"name": t.name, "arguments": json.loads(t.arguments)}} for t in c.reply.tool_calls]
@@ -168,8 +177,12 @@ class _Encoder:
 class _ChatEncoder(_Encoder):
     def take(self, choice: Choice, out, events) -> list[bytes]:
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
+        thought = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
         message = {"role": "assistant", "content": text}
-        return [_line({**self.head, "created_at": _now(), "message": message, "done": False})] if text else []
+        if thought:
+            message["thinking"] = thought
+        line = {**self.head, "created_at": _now(), "message": message, "done": False}
+        return [_line(line)] if text or thought else []
 
     def closing(self) -> list[bytes]:
         out = []
@@ -182,6 +195,8 @@ class _ChatEncoder(_Encoder):
         reply = self.choice.reply
         assert reply is not None
         message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
+        if reply.reasoning:
+            message["thinking"] = reply.reasoning
         if reply.tool_calls:
             message["tool_calls"] = _tool_calls(self.choice)
         return {**self.final(), "message": message}
@@ -212,9 +227,8 @@ async def chat(body: ChatBody, request: Request):
     llm, served, clock = await _acquire(request, body.model, body.keep_alive)
     if not body.messages:
         return _load_only(request, body, served, "chat")
-    _check_think(llm, body.think)
     reader = state.reader(llm)
-    req = chat_request(body, reader)
+    req = replace(chat_request(body, reader), reasoning=_reasoning(llm, body.think))
     prompt, tokens, images = llm.prepare_chat(req, await reader.load(state.media))
     params = _params(llm, body.options, len(tokens), prompt.grammar, prompt.skip_special_tokens)
     run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), images, chat=prompt)

@@ -49,6 +49,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": low|medium|high, "summary": ...}; the effort is used
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
@@ -112,7 +113,12 @@ def input_messages(raw: str | list[Any], reader: ContentReader) -> list[dict[str
                     param=f"{where}.role",
                 )
             read = reader.content if role == "user" else reader.text
-            out.append({"role": role, "content": read(item.get("content"), f"{where}.content", INPUT_TEXT)})
+            content = read(item.get("content"), f"{where}.content", INPUT_TEXT)
+            last = out[-1] if out else {}
+            if role == "assistant" and last.get("role") == "assistant" and not last.get("content"):
+                out[-1] = {**last, "content": content}  # the answer after its reasoning item
+            else:
+                out.append({"role": role, "content": content})
         elif kind == "function_call":
             call = {
                 "id": _field(item, "call_id", where),
@@ -129,8 +135,11 @@ def input_messages(raw: str | list[Any], reader: ContentReader) -> list[dict[str
                 output if isinstance(output, str) else reader.text(output, f"{where}.output", INPUT_TEXT)
             )
             out.append({"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": content})
-        elif kind == "reasoning":
-            continue  # a reasoning model's notes; nothing a template here renders
+        elif kind == "reasoning":  # earlier reasoning, for the next assistant message (the template decides)
+            texts = [p.get("text") for p in item.get("content") or [] if isinstance(p, dict)]
+            thought = "".join(t for t in texts if isinstance(t, str))
+            if thought:
+                out.append({"role": "assistant", "content": "", "reasoning_content": thought})
         else:
             raise InvalidRequestError(
                 f"'{where}' has type {kind!r}; input items may be message, function_call or function_call_output",
@@ -171,8 +180,19 @@ def call_item(
     }
 
 
+def reasoning_item(text: str, item_id: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {
+        "id": item_id or f"rs_{uuid.uuid4().hex}",
+        "type": "reasoning",
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
 def output_items(reply: Reply) -> list[dict[str, Any]]:
-    items = [message_item(reply.content)] if reply.content else []
+    items = [reasoning_item(reply.reasoning)] if reply.reasoning else []
+    items += [message_item(reply.content)] if reply.content else []
     return items + [call_item(c.id, c.name, c.arguments) for c in reply.tool_calls]
 
 
@@ -189,6 +209,9 @@ def messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if it["type"] == "function_call"
     ]
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    thought = "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it["content"])
+    if thought:
+        message["reasoning_content"] = thought
     if calls:
         message["tool_calls"] = calls
     return [message]

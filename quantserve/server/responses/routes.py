@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from quantserve.chat import CallDelta, ChatRequest, TextDelta
+from quantserve.chat import ChatRequest, Event, ReasoningDelta, TextDelta
 from quantserve.core.multimodal import Image
 from quantserve.server.errors import error_body
 from quantserve.server.generation import Choice, Run, sse
@@ -23,6 +23,7 @@ from quantserve.server.responses.protocol import (
     message_item,
     messages_of,
     output_items,
+    reasoning_item,
     response_tools,
     tool_choice,
 )
@@ -37,7 +38,7 @@ def _usage(c: Choice) -> dict[str, Any]:
         "input_tokens": c.num_prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": c.num_output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": c.num_reasoning_tokens},
         "total_tokens": c.num_prompt_tokens + c.num_output_tokens,
     }
 
@@ -66,9 +67,18 @@ class _Events:
         self.seq += 1
         return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, event=kind)
 
-    def take(self, event: TextDelta | CallDelta) -> list[bytes]:
+    def take(self, event: Event) -> list[bytes]:
         out: list[bytes] = []
-        if isinstance(event, TextDelta):
+        if isinstance(event, ReasoningDelta):
+            if self.open is None or self.open["type"] != "reasoning":
+                out += self.close()
+                self.open = reasoning_item("", status="in_progress")
+                out.append(
+                    self.ev("response.output_item.added", output_index=len(self.items), item=self.open)
+                )
+            self.open["content"][0]["text"] += event.text
+            out.append(self._part("response.reasoning_text.delta", None, delta=event.text))
+        elif isinstance(event, TextDelta):
             if self.open is None or self.open["type"] != "message":
                 out += self.close()
                 self.open = message_item("", status="in_progress")
@@ -110,7 +120,10 @@ class _Events:
             return out
         index = len(self.items)
         item["status"] = "completed"
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            out.append(self._part("response.reasoning_text.done", None, text=text))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self._part("response.output_text.done", None, text=part["text"], logprobs=[]))
             out.append(self._part("response.content_part.done", part))
@@ -182,12 +195,14 @@ async def create_response(body: ResponsesRequest, request: Request):
     tools = response_tools(body.tools)
     choice = tool_choice(body.tool_choice, tools)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    effort = (body.reasoning or {}).get("effort")
     req = ChatRequest(
         messages=system + messages,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_schema=body.response_schema(),
+        reasoning=llm.reasoning_request(effort=effort, effort_param="reasoning.effort"),
     )
     images = [*history_images, *await reader.load(state.media)]
     prompt, tokens, spans = llm.prepare_chat(req, images)
