@@ -169,3 +169,17 @@ def test_a_model_without_reasoning_refuses_thinking(server):
         json={"max_tokens": 8, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 4}},
     )
     assert r.status_code == 400 and "thinking" in r.json()["error"]["message"]
+
+
+def test_a_user_grammar_applies_after_the_reasoning(oai):
+    """vLLM's structured_outputs on a thinking model: the budgeted reasoning, then an answer the grammar holds."""
+    r = oai.chat.completions.create(
+        model=_model(oai),
+        messages=ASK,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}},
+    )
+    message = r.choices[0].message.model_dump()
+    assert message["reasoning_content"]
+    assert message["content"] in ("Paris", "Lyon", "Nice")

@@ -40,6 +40,7 @@ class ChatRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     response_schema: dict[str, Any] | None = None  # response_format: the reply is JSON of this schema
+    grammar: Grammar | None = None  # the request's own grammar (grammar, json_schema, structured_outputs)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # the last message is the assistant's, and the reply continues it (Anthropic's prefill)
     continue_final: bool = False
@@ -148,7 +149,12 @@ def build_prompt(
             text += thinking.empty_block
         opened = False
     thinks = thinking is not None and rq.mode != "off"
-    grammar = None
+    grammar = req.grammar
+    if grammar is not None and (req.calls_tools or req.response_schema is not None):
+        other = "tools" if req.calls_tools else "response_format"
+        raise InvalidRequestError(
+            f"'{grammar.param}' and '{other}' each constrain the reply: give one of them", param=grammar.param
+        )
     if req.response_schema is not None:
         grammar = check(json_schema_grammar(req.response_schema, param="response_format"))
     if req.calls_tools:

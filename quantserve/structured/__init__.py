@@ -9,6 +9,7 @@ from quantserve.structured.grammars import (
     json_schema_grammar,
     lark_grammar,
     lark_literal,
+    user_grammar,
 )
 from quantserve.structured.guide import Guide, GuideCompiler, Vocabulary, apply_mask, fill_masks
 
@@ -25,4 +26,5 @@ __all__ = [
     "json_schema_grammar",
     "lark_grammar",
     "lark_literal",
+    "user_grammar",
 ]

@@ -130,3 +130,74 @@ def lark_literal(text: str, special: dict[str, int] | None = None) -> str:
 
 def lark_grammar(lark: str, *, param: str) -> Grammar:
     return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), param)
+
+
+def user_grammar(
+    *,
+    grammar: Any = None,
+    json_schema: Any = None,
+    structured: Any = None,
+) -> Grammar | None:
+    """A grammar a request gives itself, as peers take them: llama-server's `grammar` (GBNF, or Lark) and
+    `json_schema`, and vLLM's `structured_outputs` (one of `regex`, `choice`, `grammar`, `json`). None when the
+    request gives none.
+
+    Raises:
+        InvalidRequestError: naming the field: more than one given, a value of the wrong type, or a grammar,
+            regex or schema llguidance cannot compile (with its reason).
+    """
+    given = [
+        (name, value)
+        for name, value in (
+            ("grammar", grammar),
+            ("json_schema", json_schema),
+            ("structured_outputs", structured),
+        )
+        if value is not None
+    ]
+    if not given:
+        return None
+    if len(given) > 1:
+        names = " and ".join(f"'{n}'" for n, _ in given)
+        raise InvalidRequestError(f"{names} each constrain the output: give one of them", param=given[0][0])
+    name, value = given[0]
+    if name == "grammar":
+        return check(_grammar_text(value, "grammar"))
+    if name == "json_schema":
+        return check(json_schema_grammar(value, param="json_schema"))
+    if not isinstance(value, dict):
+        raise InvalidRequestError("'structured_outputs' must be an object", param="structured_outputs")
+    kinds = [k for k in ("regex", "choice", "grammar", "json") if value.get(k) is not None]
+    if len(kinds) != 1:
+        raise InvalidRequestError(
+            "'structured_outputs' takes exactly one of regex, choice, grammar or json",
+            param="structured_outputs",
+        )
+    kind = kinds[0]
+    where = f"structured_outputs.{kind}"
+    spec = value[kind]
+    if kind == "json":
+        return check(json_schema_grammar(spec, param=where))
+    if kind == "grammar":
+        return check(_grammar_text(spec, where))
+    if kind == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise InvalidRequestError(f"'{where}' must be a non-empty regular expression", param=where)
+        return check(Grammar(llguidance.LLMatcher.grammar_from_regex(spec), where))
+    if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+        raise InvalidRequestError(f"'{where}' must be a list of non-empty strings", param=where)
+    return check(lark_grammar("start: " + " | ".join(lark_literal(c) for c in spec), param=where))
+
+
+def _grammar_text(text: Any, param: str) -> Grammar:
+    """GBNF (llama.cpp's grammars: `root ::= …`) or Lark, as llguidance reads them."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidRequestError(f"'{param}' must be a grammar (GBNF or Lark) as a string", param=param)
+    try:
+        return lark_grammar(any_to_lark(text), param=param)
+    except (GbnfToLarkError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"'{param}' is not a grammar llguidance can read: {exc}", param=param
+        ) from None

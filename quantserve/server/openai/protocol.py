@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from quantserve.errors import InvalidRequestError
 from quantserve.server.content import ContentReader
+from quantserve.structured import Grammar, user_grammar
 
 
 class StreamOptions(BaseModel):
@@ -37,6 +38,16 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # grammars of the request's own (structured.user_grammar): llama-server's GBNF `grammar` and `json_schema`,
+    # vLLM's `structured_outputs` {regex | choice | grammar | json}
+    grammar: Any = None
+    json_schema: Any = None
+    structured_outputs: Any = None
+
+    def user_grammar(self) -> Grammar | None:
+        return user_grammar(
+            grammar=self.grammar, json_schema=self.json_schema, structured=self.structured_outputs
+        )
 
     @field_validator("stop")
     @classmethod

@@ -73,6 +73,7 @@ def chat_request(body: ChatCompletionRequest, reader: ContentReader, llm: LLM) -
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
         parallel_tool_calls=body.parallel_tool_calls,
         response_schema=response_schema(body.response_format),
+        grammar=body.user_grammar(),
         template_kwargs=kwargs,
         continue_final=body.continue_final_message,
         reasoning=llm.reasoning_request(
@@ -311,7 +312,12 @@ async def completions(body: CompletionRequest, request: Request):
     max_tokens = min(llm.check_context(len(p), body.max_tokens) for p in prompts)
     want_lp = body.logprobs is not None
     params = _params(
-        llm, body, max_tokens=max_tokens, grammar=None, logprobs=want_lp, top_logprobs=body.logprobs or 0
+        llm,
+        body,
+        max_tokens=max_tokens,
+        grammar=body.user_grammar(),
+        logprobs=want_lp,
+        top_logprobs=body.logprobs or 0,
     )
     rid = f"cmpl-{uuid.uuid4().hex}"
     run = Run.start(state, request, llm, t0, prompts, params, body.n, rid)
