@@ -385,3 +385,64 @@ def test_api_error_is_shown_and_the_question_comes_back(page):
     assert page.texts("assistant") == []
     assert page.by_id("input").get_attribute("value") == PARIS_Q
     assert page.errors(allow="400") == []
+
+
+R1_TEMPLATE = (
+    ROOT / "bench/.build/src/vendor/llama.cpp/models/templates/deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja"
+)
+
+
+@needs_browser
+def test_thinking_streams_collapsed_above_the_answer(browser, tmp_path):
+    """SmolLM2 under DeepSeek-R1's template thinks (its budget closes the block), and the page shows the reasoning
+    in a collapsed block above the answer, marked as still thinking while it streams."""
+    if not R1_TEMPLATE.is_file():
+        pytest.skip(f"{R1_TEMPLATE} not present (make test extracts llama.cpp's templates)")
+    srv = start_server(
+        tmp_path, "smollm2", "--api-key", KEY, "--chat-template", str(R1_TEMPLATE), "--reasoning-budget", "24"
+    )
+    try:
+        page = Page(browser, srv.base_url)
+        page.open(settings={"temperature": "0", "max_tokens": "48"})
+        page.wait_models()
+        page.js(
+            "window.summaries = [];"
+            "new MutationObserver(() => {"
+            "  const s = document.querySelector('#messages .msg.assistant.pending .thinking summary');"
+            "  if (s) window.summaries.push(s.textContent);"
+            "}).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});"
+        )
+        page.ask(PARIS_Q)
+        page.wait_idle()
+        thinking = page.js(
+            "const d = document.querySelector('#messages .msg.assistant .body > details.thinking');"
+            "return d && {open: d.open, first: d.parentElement.firstElementChild === d,"
+            " summary: d.querySelector('summary').textContent, text: d.textContent}"
+        )
+        assert thinking and not thinking["open"] and thinking["first"], thinking
+        assert thinking["summary"] == "Thought" and len(thinking["text"]) > len("Thought")
+        assert "Thinking…" in page.js("return window.summaries")
+        stored = json.loads(page.js("return localStorage.getItem('quantserve.conversations')"))
+        reply = stored[0]["messages"][-1]
+        assert reply["reasoning"] and "</think>" not in reply["content"]
+        assert page.errors() == []
+    finally:
+        srv.stop()
+
+
+@needs_browser
+def test_stored_reasoning_with_markup_stays_text(page):
+    conv = {
+        "id": "think",
+        "title": "t",
+        "system": "",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "reasoning": XSS},
+        ],
+    }
+    page.open(conversations=[conv], current="think")
+    page.wait_models()
+    assert page.js("return document.querySelector('.thinking').textContent").endswith(XSS)
+    assert page.js("return document.querySelectorAll('#messages img').length") == 0
+    assert page.no_alert()

@@ -240,6 +240,7 @@ function messageNode(m) {
 }
 
 function fillBody(body, m) {
+  if (typeof m.reasoning === "string" && m.reasoning) body.append(thinkingNode(m));
   const content = m.content;
   if (Array.isArray(content)) {
     // OpenAI content parts: text, and image_url for a vision model. The page cannot attach images yet; a
@@ -254,6 +255,20 @@ function fillBody(body, m) {
   for (const call of Array.isArray(m.tool_calls) ? m.tool_calls : []) {
     if (call) body.append(toolCallNode(call));
   }
+}
+
+// A thinking model's reasoning: collapsed above the answer (open it to read), as text. While it streams and no
+// answer has come yet, the summary says so.
+function thinkingNode(m) {
+  const node = el("details", "thinking");
+  const still = state.streaming && state.streaming.reply === m && !m.content;
+  node.append(el("summary", "", still ? "Thinking…" : "Thought"));
+  node.open = Boolean(m.thinkingOpen);
+  node.addEventListener("toggle", () => {
+    m.thinkingOpen = node.open;
+  });
+  appendText(node, m.reasoning);
+  return node;
 }
 
 // Prose as text (with `inline code`), ``` fenced blocks as <pre><code>. An unclosed fence (a reply still
@@ -443,7 +458,10 @@ function requestMessages(conv, reply) {
     if (m === reply) continue;
     // Tool calls stay on the page only: sent back, they would need the tool results that follow them.
     if (m.role === "assistant" && !String(m.content ?? "")) continue;
-    out.push({ role: m.role, content: m.content });
+    const message = { role: m.role, content: m.content };
+    // earlier reasoning goes back; the model's template keeps what its family keeps
+    if (m.role === "assistant" && typeof m.reasoning === "string" && m.reasoning) message.reasoning_content = m.reasoning;
+    out.push(message);
   }
   return out;
 }
@@ -492,6 +510,7 @@ function takeChunk(reply, chunk, stats) {
   if (!choice) return;
   const delta = choice.delta || {};
   if (typeof delta.content === "string") reply.content += delta.content;
+  if (typeof delta.reasoning_content === "string") reply.reasoning = (reply.reasoning || "") + delta.reasoning_content;
   if (Array.isArray(delta.tool_calls)) {
     reply.tool_calls = reply.tool_calls || [];
     for (const d of delta.tool_calls) {
@@ -568,7 +587,7 @@ async function send() {
     setBusy(false);
   }
 
-  const empty = !reply.content && !(reply.tool_calls && reply.tool_calls.length);
+  const empty = !reply.content && !reply.reasoning && !(reply.tool_calls && reply.tool_calls.length);
   if (failure && empty) {
     // Nothing came back: the question returns to the composer, to be sent again once fixed.
     conv.messages = conv.messages.filter((m) => m !== question && m !== reply);
