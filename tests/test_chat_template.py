@@ -41,6 +41,12 @@ def test_sandbox_blocks_escapes_and_mutation(src):
         ChatTemplate(src).render(MSGS)
 
 
+def test_a_template_may_build_its_own_lists():
+    """Kimi's templates append to lists they make; the inputs stay immutable (the test above)."""
+    src = "{% set xs = [] %}{% for m in messages %}{% set _ = xs.append(m.role) %}{% endfor %}{{ xs | join(',') }}"
+    assert ChatTemplate(src).render(MSGS) == ",".join(m["role"] for m in MSGS)
+
+
 def test_raise_exception_becomes_a_request_error():
     t = ChatTemplate(
         "{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}"

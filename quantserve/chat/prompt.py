@@ -91,11 +91,13 @@ class ChatPrompt:
         if self.format is None and not split:
             return None
         req = self.request
-        splitter = ReasoningSplitter(self.reasoning, self.opened) if split else None
+        calls = self.format.markers if self.format is not None else ()
+        splitter = ReasoningSplitter(self.reasoning, self.opened, calls) if split else None
         if self.format is None:
             return ReplyAssembler(None, reasoning=splitter)
-        names = frozenset(t.name for t in req.callable_tools)
-        asm = ReplyAssembler(self.format.parser(names), CallChecker(req.tools), req.parallel, splitter)
+        asm = ReplyAssembler(
+            self.format.reply_parser(req.callable_tools), CallChecker(req.tools), req.parallel, splitter
+        )
         asm.feed(self.prefill)  # what the client wrote itself is not sent back
         return asm
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from quantserve.errors import ChatTemplateError, InvalidRequestError
-from quantserve.structured import Grammar, lark_literal
+from quantserve.structured import Grammar, lark_text
 
 if TYPE_CHECKING:
     from quantserve.chat.template import ChatTemplate
@@ -244,8 +244,11 @@ class ReasoningSplitter:
     Whitespace around the reasoning and at the start of the answer is dropped.
     """
 
-    def __init__(self, fmt: ReasoningFormat, opened: bool):
+    def __init__(self, fmt: ReasoningFormat, opened: bool, calls: tuple[str, ...] = ()):
         self.fmt = fmt
+        # a tool call's start ends the reasoning too, if the end marker never comes: calls written inside a block
+        # that then closes are the reasoning's (llama.cpp reads both so); what follows such a start is held
+        self.calls = calls
         self.state = "reasoning" if opened else "start"
         self.buf = ""
         self.reasoning = ""  # all of it, once finished
@@ -282,12 +285,19 @@ class ReasoningSplitter:
                 self.buf = rest
                 self._fresh = not rest
             at = self.buf.find(self.fmt.end)
-            if at != -1:
+            call = min((k for m in self.calls if (k := self.buf.find(m)) != -1), default=-1)
+            if call != -1 and at == -1:
+                reasoning = self.buf[:call].rstrip()
+                self.buf = self.buf[len(reasoning) :]
+                if final:  # no end marker: the reasoning ended where the calls began
+                    self.state = "answer"
+                    self._strip_answer = True
+            elif at != -1:
                 reasoning = self.buf[:at].rstrip()
                 self.buf = self.buf[at + len(self.fmt.end) :]
                 self.state = "answer"
             else:
-                keep = 0 if final else holdback(self.buf, (self.fmt.end,))
+                keep = 0 if final else holdback(self.buf, (self.fmt.end, *self.calls))
                 body = self.buf[: len(self.buf) - keep]
                 sent = body if final else body.rstrip()  # trailing whitespace waits: it may precede the end
                 reasoning, self.buf = sent, self.buf[len(sent) :]
@@ -366,23 +376,14 @@ def after_reasoning(grammar: Grammar, fmt: ReasoningFormat, opened: bool, specia
     once. Blank space (and harmony's header of the answer) may come between the block and the grammar."""
     inner = json.loads(grammar.source)["grammars"] if grammar.source.lstrip().startswith("{") else None
     first, rest = (inner[0], inner[1:]) if inner else ({"lark_grammar": grammar.source}, [])
-    end = _lark_text(fmt.end, special)
-    header = f"({_lark_text(fmt.answer_header, special)})?" if fmt.answer_header else ""
+    end = lark_text(fmt.end, special)
+    header = f"({lark_text(fmt.answer_header, special)})?" if fmt.answer_header else ""
     block = (
         f"think[lazy]: TEXT {end}"
         if opened
-        else f"think: {_lark_text(fmt.start, special)} body\nbody[lazy]: TEXT {end}"
+        else f"think: {lark_text(fmt.start, special)} body\nbody[lazy]: TEXT {end}"
     )
     head = "think" if opened else "think?"
     lark = f"start: {head} /[ \\t\\n]*/ {header} @inner\n{block}\nTEXT: /(.|\\n)*/"
     doc = {"grammars": [{"lark_grammar": lark}, {**first, "name": "inner"}, *rest]}
     return replace(grammar, source=json.dumps(doc, ensure_ascii=False))
-
-
-def _lark_text(text: str, special: dict[str, int]) -> str:
-    """Lark for `text`, its control tokens (by the vocabulary's `special`) by id and the rest as strings."""
-    names = sorted((t for t in special if t and t in text), key=len, reverse=True)
-    if not names:
-        return lark_literal(text)
-    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
-    return " ".join(lark_literal(p, special) for p in parts if p)

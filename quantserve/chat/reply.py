@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from quantserve.chat.jsonscan import JsonScanner, Path, Span
 from quantserve.chat.reasoning import ReasoningSplitter, holdback
@@ -92,8 +92,10 @@ class CallStream:
         *,
         name: str | None = None,
         args_keys: tuple[str, ...] = ("arguments", "parameters"),
+        whole: bool = False,
     ):
         self.scanner, self.prefix, self.index, self.id = scanner, prefix, index, call_id
+        self.whole = whole  # complete only once its whole object is (it carries more than its arguments)
         self.tools = tools
         self.name = name
         self.args_root = name is not None
@@ -113,7 +115,7 @@ class CallStream:
 
     @property
     def complete(self) -> bool:
-        span = self._args_span()
+        span = self.scanner.spans.get(self.prefix) if self.whole else self._args_span()
         return self.started and span is not None and span.end is not None
 
     def poll(self) -> list[Event]:
@@ -171,10 +173,11 @@ class ReplyParser(ABC):
         return events, at != -1
 
     def _call(
-        self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = ""
+        self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = "", whole=False
     ) -> CallStream:
-        """Begin the next call, found at `prefix` of `scanner`'s JSON."""
-        call = CallStream(scanner, prefix, len(self.calls), call_id or self.new_id(), self.tools, name=name)
+        """Begin the next call, found at `prefix` of `scanner`'s JSON (`whole`: see CallStream)."""
+        index, new = len(self.calls), call_id or self.new_id()
+        call = CallStream(scanner, prefix, index, new, self.tools, name=name, whole=whole)
         self.calls.append(call)
         return call
 
@@ -304,6 +307,8 @@ class ReplyAssembler:
         for e in pending:
             if self._held or (isinstance(e, CallDelta) and not self.parser.calls[e.index].complete):
                 self._held.append(e)
+            elif isinstance(e, CallDelta) and e.id is not None:
+                out.append(replace(e, id=self.parser.calls[e.index].id))  # an id written after the name
             else:
                 out.append(e)
         return out

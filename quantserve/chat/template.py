@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -37,8 +39,40 @@ class _GenerationBlock(Extension):
 
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **_: Any) -> str:
-    # Same defaults as transformers' apply_chat_template (non-ASCII kept as is).
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
+    # Same defaults as transformers' apply_chat_template (non-ASCII kept as is); a filter's generator (`tools |
+    # map(...)`) is written as the list it yields, as llama.cpp's minja writes it.
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, default=_listed)
+
+
+def _listed(value: Any) -> Any:
+    if isinstance(value, Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+# The lists a render was given (by id): templates may build their own lists, never change these.
+_INPUTS: ContextVar[frozenset[int]] = ContextVar("template_inputs", default=frozenset())
+
+
+def _lists_in(value: Any, found: set[int]) -> set[int]:
+    if isinstance(value, list):
+        found.add(id(value))
+        for v in value:
+            _lists_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _lists_in(v, found)
+    return found
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, except that a template may append to and extend the lists it makes itself (Kimi's
+    templates build their output that way); the messages, tools and other inputs stay immutable."""
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        if isinstance(obj, list) and attr in ("append", "extend") and id(obj) not in _INPUTS.get():
+            return True
+        return super().is_safe_attribute(obj, attr, value)
 
 
 def read_template_file(path: str | Path) -> str:
@@ -63,9 +97,7 @@ class ChatTemplate:
     lstrip_blocks, loopcontrols, raise_exception, strftime_now), but sandboxed: templates come from model files."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", origin: str = "the model"):
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
-        )
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -84,6 +116,7 @@ class ChatTemplate:
     def render(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
     ) -> str:
+        token = _INPUTS.set(frozenset(_lists_in([messages, extra], set())))
         try:
             return self._template.render(
                 messages=messages,
@@ -98,6 +131,8 @@ class ChatTemplate:
             raise ChatTemplateError(
                 f"the chat template failed to render these messages: {exc}", param="messages"
             ) from exc
+        finally:
+            _INPUTS.reset(token)
 
     # ---- what the template can do -------------------------------------------------------------------
 
@@ -140,6 +175,10 @@ class TemplateProbe:
     turn: str | None  # None when the template failed to render a tool call
     system_role: bool  # a system message shows in the prompt
     tool_role: bool  # a `tool` message's content shows in the prompt
+    text_arguments: bool = False  # the template writes a call's arguments as the JSON text it is given
+    none_content: bool = (
+        False  # the template writes calls only for an assistant message whose content is none
+    )
 
     @classmethod
     def of(cls, template: ChatTemplate) -> TemplateProbe:
@@ -165,16 +204,34 @@ class TemplateProbe:
                 return None
 
         head = render([user], True, [PROBE_TOOL])
-        full = render([user, assistant], False, [PROBE_TOOL])
         turn = None
-        if head is not None and full is not None:
-            turn = full[_turn_start(head, full) :]
+        # templates differ in what they take: arguments as an object or as JSON text, and a call's content
+        # empty or none (DeepSeek-R1's distills write calls only for none); the first that writes the call wins
+        text_args = {
+            **call,
+            "function": {**call["function"], "arguments": json.dumps(PROBE_CALL["arguments"])},
+        }
+        variants = [
+            {**assistant, "content": c, "tool_calls": [k]} for k in (call, text_args) for c in ("", None)
+        ]
+        text_arguments = none_content = False
+        written = assistant
+        for variant in variants:
+            full = render([user, variant], False, [PROBE_TOOL])
+            if head is not None and full is not None and PROBE_CALL["name"] in full[len(head) - 1 :]:
+                turn = full[_turn_start(head, full) :]
+                text_arguments = variant["tool_calls"][0] is text_args
+                none_content = variant["content"] is None
+                written = variant
+                break
         system = render([{"role": "system", "content": "probe system"}, user], True) or ""
-        tool = render([user, assistant, result], True) or ""
+        tool = render([user, written, result], True) or ""
         return cls(
             turn=turn,
             system_role="probe system" in system,
             tool_role="probe result" in tool,
+            text_arguments=text_arguments,
+            none_content=none_content,
         )
 
 

@@ -9,6 +9,7 @@ from quantserve.structured.grammars import (
     json_schema_grammar,
     lark_grammar,
     lark_literal,
+    lark_text,
     user_grammar,
 )
 from quantserve.structured.guide import Guide, GuideCompiler, Vocabulary, apply_mask, fill_masks
@@ -26,5 +27,6 @@ __all__ = [
     "json_schema_grammar",
     "lark_grammar",
     "lark_literal",
+    "lark_text",
     "user_grammar",
 ]

@@ -8,6 +8,7 @@ ramble on in it until max_tokens.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,16 @@ def lark_literal(text: str, special: dict[str, int] | None = None) -> str:
     if special and text in special:
         return f"<[{special[text]}]>"
     return json.dumps(text, ensure_ascii=False)
+
+
+def lark_text(text: str, special: dict[str, int]) -> str:
+    """Lark for exactly `text`, the control tokens in it (by the vocabulary's `special`) by id and the rest as
+    strings: `<｜tool▁sep｜>` is one token in DeepSeek's vocabulary, text in any other."""
+    names = sorted((t for t in special if t and t in text), key=len, reverse=True)
+    if not names:
+        return lark_literal(text)
+    parts = re.split("(" + "|".join(map(re.escape, names)) + ")", text)
+    return " ".join(lark_literal(p, special) for p in parts if p)
 
 
 def lark_grammar(lark: str, *, param: str) -> Grammar:

@@ -44,9 +44,25 @@ def registered() -> list[type[ToolFormat]]:
     from quantserve.chat.formats.generic import Generic
     from quantserve.chat.formats.hermes import Hermes
     from quantserve.chat.formats.llama3 import Llama3
+    from quantserve.chat.formats.marked import DeepSeekR1, DeepSeekV31, FunctionaryV31, KimiK2, Solar
     from quantserve.chat.formats.mistral import Mistral
+    from quantserve.chat.formats.xmlcalls import (
+        DsmlV4,
+        DsmlV32,
+        Glm,
+        Hunyuan,
+        MiniCpm,
+        MiniMaxM2,
+        Qwen3Coder,
+        SeedOss,
+    )
 
-    return sorted((Generic, Hermes, Llama3, Mistral), key=lambda cls: cls.priority)
+    found = (
+        *(Generic, Hermes, Llama3, Mistral),
+        *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar),
+        *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm),
+    )
+    return sorted(found, key=lambda cls: cls.priority)
 
 
 def detect(probe: TemplateProbe) -> ToolFormat:
@@ -97,7 +113,7 @@ class ToolFormat(ABC):
         The default suits templates that render calls themselves: the arguments of earlier calls become objects
         again, since templates write them with `tojson` (transformers' convention, and vLLM's and llama.cpp's).
         """
-        out = [_with_object_arguments(m) for m in messages]
+        out = [_as_the_template_takes(m, self.probe) for m in messages]
         extra = {"tools": [t.as_openai() for t in tools]} if tools and choice.mode != "none" else {}
         return out, extra
 
@@ -110,6 +126,16 @@ class ToolFormat(ABC):
     @abstractmethod
     def parser(self, tools: frozenset[str]) -> ReplyParser:
         """A fresh parser for one reply; a call is only a call if it names one of `tools`."""
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """What a reply's calls begin with (a model that skips its end-of-thinking marker and calls a tool has
+        ended its reasoning there, as llama.cpp reads it); none for a format without markers."""
+        return ()
+
+    def reply_parser(self, tools: tuple[Tool, ...]) -> ReplyParser:
+        """The parser for a reply that may call `tools` (formats that read values by their schemas override)."""
+        return self.parser(frozenset(t.name for t in tools))
 
     def new_id(self) -> str:
         return new_call_id()
@@ -124,10 +150,17 @@ def _loads(text: str) -> Any:
         return None
 
 
+def _as_the_template_takes(message: dict[str, Any], probe: TemplateProbe) -> dict[str, Any]:
+    """An assistant message's calls as the probe found the template takes them: arguments as objects (most), or
+    as JSON text, and an empty content as none where the template writes calls only then (R1's distills)."""
+    if not message.get("tool_calls"):
+        return message
+    out = message if probe.text_arguments else _with_object_arguments(message)
+    return {**out, "content": message.get("content") or (None if probe.none_content else "")}
+
+
 def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
-    if not calls:
-        return message
     out = []
     for call in calls:
         fn = dict(call.get("function") or {})

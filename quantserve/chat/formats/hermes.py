@@ -32,6 +32,8 @@ class Hermes(ToolFormat):
         free = f"%llguidance {{}}\nstart: {tags}\ntag: trig {body}\n{trigger_rule(OPEN, spec)}\n{TEXT_RULE}"
         return calls_grammar(spec, rules, free)
 
+    markers = (OPEN,)
+
     def parser(self, tools: frozenset[str]) -> HermesParser:
         return HermesParser(self.new_id, tools)
 

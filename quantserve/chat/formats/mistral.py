@@ -79,6 +79,8 @@ class Mistral(ToolFormat):
         free = f"%llguidance {{}}\nstart: TEXT | trig rest{follow}\n{trigger_rule(TOOL_CALLS, spec)}\n{TEXT_RULE}"
         return calls_grammar(spec, rules, free)
 
+    markers = (TOOL_CALLS,)
+
     def parser(self, tools: frozenset[str]) -> MistralParser:
         return MistralParser(self.new_id, tools)
 
@@ -115,9 +117,12 @@ class MistralParser(JsonCallParser):
             if self.state == "array":
                 sc = self._advance(final)
                 while (len(self.calls),) in sc.spans:
-                    self._call(sc, (len(self.calls),))
+                    self._call(sc, (len(self.calls),), whole=True)
                 for call in self.calls:
                     out += call.poll()
+                    written = sc.string_value((call.index, "id"))  # Nemo writes each call's id in its object
+                    if written is not None and _ID.fullmatch(written):
+                        call.id = written
                 if sc.error or any(c.rejected for c in self.calls):
                     self.malformed = True
                     return out
