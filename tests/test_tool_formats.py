@@ -55,13 +55,15 @@ FAMILIES = {
     "upstage-Solar-Open-100B.jinja": "solar",
     "tencent-Hy3.jinja": "hunyuan",
     "openbmb-MiniCPM5-1B.jinja": "minicpm",
+    "openai-gpt-oss-120b.jinja": "harmony",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<end_of_turn>", "<seed:eos>", "[e~[", "<|calls|>",
-    "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>",
+    "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>", "<|call|>",
 )  # fmt: skip
 # what some templates write before the calls (an empty or closed think block): the reply's content
+ONE_CALL = ("llama3", "harmony")  # templates that render one call per assistant turn
 LEAD = re.compile(r"(?s)^(?:.*<[｜|][Aa]ssistant[｜|]>)?\s*(?:<think>\s*</think>|</think>)?\s*$")
 
 WEATHER = Tool(
@@ -115,7 +117,9 @@ def rendered_turn(tmpl: ChatTemplate, fmt: ToolFormat, calls: list[tuple[str, di
     msgs, extra = fmt.prepare([*history, assistant], TOOLS, choice, True)
     full = tmpl.render(msgs, add_generation_prompt=False, **extra)
     turn = full[_turn_start(head, full) :].rstrip()
-    last = max(turn.rfind(name) for name, _ in calls)  # the model stops at the first end marker after its calls
+    last = max(
+        turn.rfind(name) for name, _ in calls
+    )  # the model stops at the first end marker after its calls
     ends = [k for m in END_MARKERS if (k := turn.find(m, last)) != -1]
     return turn[: min(ends)] if ends else turn
 
@@ -140,7 +144,7 @@ def test_family_is_read_from_the_template(name):
 def test_rendered_calls_parse_back_whole_and_streamed(name):
     tmpl = template(name)
     fmt = tool_format(tmpl)
-    calls = CALLS[:1] if fmt.name == "llama3" else CALLS  # Llama 3's templates take one call per turn
+    calls = CALLS[:1] if fmt.name in ONE_CALL else CALLS
     turn = rendered_turn(tmpl, fmt, calls)
     _, reply = assemble(fmt, [turn])
     assert calls_of(reply) == calls, turn
@@ -196,7 +200,7 @@ def test_a_reply_cut_by_max_tokens_keeps_the_complete_calls(name):
     and no markup."""
     tmpl = template(name)
     fmt = tool_format(tmpl)
-    calls = CALLS[:1] if fmt.name == "llama3" else CALLS  # Llama 3's templates take one call per turn
+    calls = CALLS[:1] if fmt.name in ONE_CALL else CALLS
     turn = rendered_turn(tmpl, fmt, calls)
     _, whole = assemble(fmt, [turn])
     paris, cet = ('"Paris"', '"CET"') if '"Paris"' in turn else ("Paris", "CET")
@@ -307,7 +311,7 @@ PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.ji
           "ByteDance-Seed-OSS.jinja", "MiniMax-M2.jinja", "GLM-4.6.jinja", "deepseek-ai-DeepSeek-V3.1.jinja",
           "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek-ai-DeepSeek-V3.2.jinja",
           "deepseek-ai-DeepSeek-V4.jinja", "moonshotai-Kimi-K2.jinja", "meetkai-functionary-medium-v3.1.jinja",
-          "upstage-Solar-Open-100B.jinja", "tencent-Hy3.jinja", "openbmb-MiniCPM5-1B.jinja"]  # fmt: skip
+          "upstage-Solar-Open-100B.jinja", "tencent-Hy3.jinja", "openbmb-MiniCPM5-1B.jinja", "openai-gpt-oss-120b.jinja"]  # fmt: skip
 
 
 @pytest.mark.parametrize("special_markers", [True, False], ids=["control-markers", "text-markers"])

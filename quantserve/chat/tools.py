@@ -33,9 +33,8 @@ class Tool:
 
     def as_openai(self) -> dict[str, Any]:
         """The shape chat templates expect in `tools` (transformers' convention)."""
-        fn: dict[str, Any] = {"name": self.name}
-        if self.description:
-            fn["description"] = self.description
+        # a description always, empty if none was given, as llama.cpp writes tools: templates read it unguarded
+        fn: dict[str, Any] = {"name": self.name, "description": self.description or ""}
         fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
