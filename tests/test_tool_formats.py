@@ -56,11 +56,12 @@ FAMILIES = {
     "tencent-Hy3.jinja": "hunyuan",
     "openbmb-MiniCPM5-1B.jinja": "minicpm",
     "openai-gpt-oss-120b.jinja": "harmony",
+    "google-gemma-4-31B-it.jinja": "gemma4",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<end_of_turn>", "<seed:eos>", "[e~[", "<|calls|>",
-    "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>", "<|call|>",
+    "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>", "<|call|>", "<|tool_response>",
 )  # fmt: skip
 # what some templates write before the calls (an empty or closed think block): the reply's content
 ONE_CALL = ("llama3", "harmony")  # templates that render one call per assistant turn
@@ -311,7 +312,8 @@ PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.ji
           "ByteDance-Seed-OSS.jinja", "MiniMax-M2.jinja", "GLM-4.6.jinja", "deepseek-ai-DeepSeek-V3.1.jinja",
           "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek-ai-DeepSeek-V3.2.jinja",
           "deepseek-ai-DeepSeek-V4.jinja", "moonshotai-Kimi-K2.jinja", "meetkai-functionary-medium-v3.1.jinja",
-          "upstage-Solar-Open-100B.jinja", "tencent-Hy3.jinja", "openbmb-MiniCPM5-1B.jinja", "openai-gpt-oss-120b.jinja"]  # fmt: skip
+          "upstage-Solar-Open-100B.jinja", "tencent-Hy3.jinja", "openbmb-MiniCPM5-1B.jinja", "openai-gpt-oss-120b.jinja",
+          "google-gemma-4-31B-it.jinja"]  # fmt: skip
 
 
 @pytest.mark.parametrize("special_markers", [True, False], ids=["control-markers", "text-markers"])

@@ -218,7 +218,11 @@ class TemplateProbe:
         written = assistant
         for variant in variants:
             full = render([user, variant], False, [PROBE_TOOL])
-            if head is not None and full is not None and PROBE_CALL["name"] in full[len(head) - 1 :]:
+            if (
+                head is not None
+                and full is not None
+                and PROBE_CALL["name"] in full[_turn_start(head, full) :]
+            ):
                 turn = full[_turn_start(head, full) :]
                 text_arguments = variant["tool_calls"][0] is text_args
                 none_content = variant["content"] is None

@@ -41,6 +41,7 @@ class GrammarSpec:
 def registered() -> list[type[ToolFormat]]:
     """Every family's format in detection order (lowest priority first; the generic one last), each module
     imported on the first call. A new family is its file plus one line here."""
+    from quantserve.chat.formats.gemma4 import Gemma4
     from quantserve.chat.formats.generic import Generic
     from quantserve.chat.formats.harmony import Harmony
     from quantserve.chat.formats.hermes import Hermes
@@ -60,7 +61,7 @@ def registered() -> list[type[ToolFormat]]:
 
     found = (
         *(Generic, Hermes, Llama3, Mistral),
-        *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony),
+        *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony, Gemma4),
         *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm),
     )
     return sorted(found, key=lambda cls: cls.priority)
