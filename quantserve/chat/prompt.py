@@ -143,6 +143,10 @@ def build_prompt(
     else:
         text = template.render(messages, add_generation_prompt=True, **variables)
     opened = thinking is not None and thinking.opened_in(text)
+    if thinking is not None and rq.mode == "on" and not opened and not req.continue_final:
+        # thinking asked for, where the model would decide for itself: the prompt opens the block
+        text += thinking.open_text
+        opened = True
     if thinking is not None and rq.mode == "off" and not req.continue_final:
         # thinking off, where the template has no switch or leaves the block open: an empty block closes it
         if opened:

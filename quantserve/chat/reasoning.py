@@ -327,7 +327,8 @@ EFFORTS = ("low", "medium", "high")
 class ReasoningRequest:
     """What a request (over the server's defaults) asks of the reasoning.
 
-    `mode`: on, off, or auto (thinking where the model thinks by itself). `budget`: at most this many reasoning tokens (None:
+    `mode`: on (the block is opened in the prompt if the template does not open it), off, or auto (thinking
+    where the model thinks by itself). `budget`: at most this many reasoning tokens (None:
     unbounded). `effort`: low, medium or high, for templates that read `reasoning_effort` (gpt-oss). `separate`:
     reasoning goes apart from the answer (--reasoning-format auto); False leaves it in the content as written.
     `asked`: the request field that asked for reasoning, named in the error when the model has none.

@@ -56,6 +56,12 @@ class Reply:
     reasoning: str | None = None
 
 
+def cut_char(text: str) -> str:
+    """`text` without the replacement character a reply cut inside a UTF-8 character ends with (max_tokens in
+    the middle of a marker such as DeepSeek's `<｜tool▁call▁begin｜>`)."""
+    return text.removesuffix("\ufffd")
+
+
 class Content:
     """Text outside tool calls, trimmed: leading whitespace is dropped and trailing whitespace held until more
     text follows, so the whitespace around calls never reaches the client."""

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
 from quantserve.chat.reasoning import holdback
-from quantserve.chat.reply import Event, JsonCallParser
+from quantserve.chat.reply import Event, JsonCallParser, cut_char
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, json_rule, lark_text
 
@@ -74,7 +74,7 @@ def _call_rule(m: Marks, tool: Tool, spec: GrammarSpec, with_start: bool = True)
     if not with_start:
         written = written.removeprefix(m.start)
     head, _, tail = written.partition("\0")
-    header = lark_text(head, spec.special) + (" /[0-9]+/ " + lark_text(tail, spec.special) if tail else "")
+    header = lark_text(head, spec.special) + (" /[0-9]{1,2}/ " + lark_text(tail, spec.special) if tail else "")
     close = f" {lark_text(m.close, spec.special)}" if m.close else ""
     return f"{header} {json_rule(tool.parameters)}{close}"
 
@@ -119,11 +119,11 @@ class MarkedParser(JsonCallParser):
                 if rest.startswith(m.start):
                     self.cur = at
                     self.state = "header"
-                elif final or not (m.section[1].startswith(rest) or m.start.startswith(rest)):
-                    if rest:
-                        self.malformed = True  # something else inside the section
+                elif any(x.startswith(cut_char(rest)) for x in (m.section[1], m.start)):
+                    self.cut = final and bool(rest)  # the reply ended in a marker's first characters
                     return out
                 else:
+                    self.malformed = True  # something else inside the section
                     return out
             if self.state == "header":
                 found = m.header.match(self.text, self.cur)

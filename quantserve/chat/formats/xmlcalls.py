@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
 from quantserve.chat.reasoning import holdback
-from quantserve.chat.reply import CallDelta, Event, ReplyParser
+from quantserve.chat.reply import CallDelta, Event, ReplyParser, cut_char
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, json_rule, lark_literal, lark_text
 
@@ -210,11 +210,11 @@ class TaggedParser(ReplyParser):
                     continue
                 if rest.startswith(t.start):
                     self.cur, self.state = at, "open"
-                elif not final and any(m.startswith(rest) for m in (t.section[1], t.start)):
+                elif any(m.startswith(cut_char(rest)) for m in (t.section[1], t.start)):
+                    self.cut = final and bool(rest)  # the reply ended in a marker's first characters
                     return out
                 else:
-                    if rest:
-                        self.malformed = True
+                    self.malformed = True  # something else inside the section
                     return out
             if self.state == "open":
                 m = t.call.match(self.text, self.cur)
