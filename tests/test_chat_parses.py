@@ -26,6 +26,7 @@ CASES = [
 
 DIVERGES = {
     2377: "Qwen3.5: llama.cpp keeps a doubled '<think>' of a block the prompt already opened as reasoning text",
+    6219: "Apriel 1.6: llama.cpp keeps the prompt's 'Here are my reasoning steps:' in the reasoning",
 }
 
 

@@ -28,7 +28,7 @@ REASONING = {
     "Apriel-1.6-15b-Thinker-fixed": ("apriel", "Here are my reasoning steps:", "[BEGIN FINAL RESPONSE]"),
     "Bielik-11B-v3.0-Instruct": ("think", "<think>", "</think>"),
     "ByteDance-Seed-OSS": ("seed-oss", "<seed:think>", "</seed:think>"),
-    "Cohere2MoE": ("command-r", "<|START_THINKING|>", "<|END_THINKING|><|START_TEXT|>"),
+    "Cohere2MoE": ("command-r", "<|START_THINKING|>", "<|END_THINKING|>"),
     "CohereForAI-c4ai-command-r-plus-tool_use": None,
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": ("command-r", "<|START_THINKING|>", "<|END_THINKING|>"),
     "GLM-4.6": ("think", "<think>", "</think>"),
@@ -93,7 +93,7 @@ REASONING = {
     "tencent-Hy3": ("hunyuan", "<think:opensource>", "</think:opensource>"),
     "unsloth-Apriel-1.5": ("thinking-tags", "<thinking>", "</thinking>"),
     "unsloth-mistral-Devstral-Small-2507": None,
-    "upstage-Solar-Open-100B": ("solar", "<|think|>", "<|end|><|begin|>assistant<|content|>"),
+    "upstage-Solar-Open-100B": ("solar", "<|think|>", "<|end|>"),
 }
 
 # llama.cpp cases whose expected parse this splitter does not reproduce, and why (each is a family's tool-call

@@ -57,14 +57,21 @@ FAMILIES = {
     "openbmb-MiniCPM5-1B.jinja": "minicpm",
     "openai-gpt-oss-120b.jinja": "harmony",
     "google-gemma-4-31B-it.jinja": "gemma4",
+    "NVIDIA-Nemotron-Nano-v2.jinja": "nemotron-v2",
+    "unsloth-Apriel-1.5.jinja": "apriel",
+    "MiniMax-M1.jinja": "minimax-m1",
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": "command-r",
+    "GigaChat3.1-10B-A1.8B.jinja": "gigachat",
+    "Apertus-8B-Instruct.jinja": "apertus",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<end_of_turn>", "<seed:eos>", "[e~[", "<|calls|>",
     "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>", "<|call|>", "<|tool_response>",
+    "<SPECIAL_12>", "<|end|>", "<end_of_sentence>", "<|END_OF_TURN_TOKEN|>", "<|message_sep|>",
 )  # fmt: skip
 # what some templates write before the calls (an empty or closed think block): the reply's content
-ONE_CALL = ("llama3", "harmony")  # templates that render one call per assistant turn
+ONE_CALL = ("llama3", "harmony", "gigachat")  # templates that render one call per assistant turn
 LEAD = re.compile(r"(?s)^(?:.*<[｜|][Aa]ssistant[｜|]>)?\s*(?:<think>\s*</think>|</think>)?\s*$")
 
 WEATHER = Tool(
@@ -313,7 +320,9 @@ PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.ji
           "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek-ai-DeepSeek-V3.2.jinja",
           "deepseek-ai-DeepSeek-V4.jinja", "moonshotai-Kimi-K2.jinja", "meetkai-functionary-medium-v3.1.jinja",
           "upstage-Solar-Open-100B.jinja", "tencent-Hy3.jinja", "openbmb-MiniCPM5-1B.jinja", "openai-gpt-oss-120b.jinja",
-          "google-gemma-4-31B-it.jinja"]  # fmt: skip
+          "google-gemma-4-31B-it.jinja", "NVIDIA-Nemotron-Nano-v2.jinja", "unsloth-Apriel-1.5.jinja",
+          "MiniMax-M1.jinja", "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", "GigaChat3.1-10B-A1.8B.jinja",
+          "Apertus-8B-Instruct.jinja"]  # fmt: skip
 
 
 @pytest.mark.parametrize("special_markers", [True, False], ids=["control-markers", "text-markers"])
@@ -322,7 +331,7 @@ def test_every_reply_the_grammar_allows_parses_into_valid_calls(name, special_ma
     fmt = tool_format(template(name))
     compiler, vocab = byte_vocabulary(special_markers)
     rng = random.Random(zlib.crc32(f"{name}{special_markers}".encode()))
-    parallel = fmt.name != "llama3"
+    parallel = fmt.name not in ONE_CALL
     cases = [(ToolChoice("required"), TOOLS, []), (ToolChoice("required", "get_time"), (TIME,), [])]
     trigger = fmt.markers[0] if fmt.markers else ""
     if trigger:  # auto: free text, then once the model opens a call, the call is held to the schema

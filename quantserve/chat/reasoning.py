@@ -36,6 +36,7 @@ KNOWN = {
     "<thinking>": "</thinking>",
     "<|START_THINKING|>": "<|END_THINKING|>",
 }
+_CLOSING = re.compile(r"<\|(?:[A-Za-z_]*(?:END|end)[A-Za-z_]*|eom)\|>")  # <|end|>, <|END_THINKING|>, <|eom|>
 HARMONY_START = "<|channel|>analysis<|message|>"
 # Names shown in `inspect`, /v1/models and logs, by start marker.
 NAMES = {
@@ -76,6 +77,12 @@ class ReasoningFormat:
     # what a new message's header looks like when the answer is a message of its own after the reasoning's
     # (harmony: `<|start|>assistant<|channel|>final<|message|>`): dropped from the answer
     answer_header: str = ""
+
+    @property
+    def answer_end(self) -> str:
+        """The tag that closes an answer opened by `<|START_X|>` (Cohere's <|END_TEXT|>), dropped with it."""
+        m = re.fullmatch(r"<\|START_(\w+)\|>", self.answer_header)
+        return f"<|END_{m.group(1)}|>" if m else ""
 
     @property
     def header_re(self) -> re.Pattern[str] | None:
@@ -142,9 +149,11 @@ def detect_reasoning(template: ChatTemplate) -> ReasoningFormat | None:
         if not start:
             return None
     header = ""
-    if "<|start|>" in end[1:]:  # the answer is a new message (harmony): the reasoning ends with its message
-        at = end.index("<|start|>", 1)
-        end, header = end[:at], end[at:]
+    closing = _CLOSING.match(end)
+    if closing is not None and closing.end() < len(end):
+        # the block's own end tag, then the answer's opening (harmony's final-channel header, Cohere's
+        # <|START_TEXT|>): the reasoning ends at the tag, and the opening is dropped from the answer
+        end, header = end[: closing.end()], end[closing.end() :]
     fmt = ReasoningFormat(
         name=NAMES.get(start, "custom"),
         start=start,
@@ -256,6 +265,7 @@ class ReasoningSplitter:
             True  # at the start of the reasoning (its leading whitespace and a repeated marker dropped)
         )
         self._strip_answer = opened  # the answer after a block starts at its first non-blank character
+        self._closed = False  # the answer's closing tag has come (Cohere's <|END_TEXT|>)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, answer text) that can go out now."""
@@ -304,12 +314,20 @@ class ReasoningSplitter:
             self.reasoning += reasoning
         if self.state == "answer":
             answer, self.buf = self.buf, ""
+            closing = self.fmt.answer_end
+            if closing:  # the answer's own closing tag, and anything after it, is no part of it
+                if self._closed:
+                    answer = ""
+                elif closing in answer:
+                    answer, self._closed = answer[: answer.index(closing)], True
+                elif not final and (keep := holdback(answer, (closing,))):
+                    answer, self.buf = answer[:-keep], answer[-keep:]
             if self._strip_answer:
                 answer = answer.lstrip()
                 header = self.fmt.header_re
                 if header is not None:
-                    if not final and len(answer) < 200 and "<|message|>" not in answer and answer:
-                        self.buf = answer  # the header may still be coming
+                    if not final and answer and self._may_be_header(answer):
+                        self.buf = answer + self.buf  # the header may still be coming
                         return reasoning, ""
                     m = header.match(answer)
                     answer = answer[m.end() :].lstrip() if m else answer
@@ -318,6 +336,14 @@ class ReasoningSplitter:
 
     def finish(self) -> tuple[str, str]:
         return self.feed("", final=True)
+
+    def _may_be_header(self, answer: str) -> bool:
+        """Whether `answer` may still turn out to begin with the answer's header: a prefix of its fixed part, or
+        (harmony) that part with the rest of the header not yet written up to `<|message|>`."""
+        fixed, sep, _ = self.fmt.answer_header.partition("<|message|>")
+        if fixed.startswith(answer):
+            return True
+        return bool(sep) and answer.startswith(fixed) and sep not in answer and len(answer) < 200
 
 
 EFFORTS = ("low", "medium", "high")

@@ -11,10 +11,12 @@ does the stream: a call's deltas are held until the call is complete, then sent 
 
 from __future__ import annotations
 
+import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from quantserve.chat.jsonscan import JsonScanner, Path, Span
 from quantserve.chat.reasoning import ReasoningSplitter, holdback
@@ -99,9 +101,11 @@ class CallStream:
         name: str | None = None,
         args_keys: tuple[str, ...] = ("arguments", "parameters"),
         whole: bool = False,
+        name_key: str = "name",
     ):
         self.scanner, self.prefix, self.index, self.id = scanner, prefix, index, call_id
         self.whole = whole  # complete only once its whole object is (it carries more than its arguments)
+        self.name_key = name_key
         self.tools = tools
         self.name = name
         self.args_root = name is not None
@@ -130,7 +134,7 @@ class CallStream:
             return events
         if not self.started:
             if self.name is None:
-                self.name = self.scanner.string_value((*self.prefix, "name"))
+                self.name = self.scanner.string_value((*self.prefix, self.name_key))
                 if self.name is None:
                     return events
             if self.name not in self.tools:
@@ -146,6 +150,27 @@ class CallStream:
                 events.append(CallDelta(self.index, arguments=text[len(self.arguments) :]))
                 self.arguments = text
         return events
+
+
+class WholeCall:
+    """A call read whole, its arguments known at once (the interface of CallStream), for formats whose
+    arguments are not JSON as written (Gemma 4) or whose name is a key of the arguments' object (Apertus)."""
+
+    def __init__(self, index: int, call_id: str, name: str, tools: frozenset[str], args: Any):
+        self.index, self.id, self.name = index, call_id, name
+        self.rejected = name not in tools
+        self.started = self.complete = not self.rejected
+        self.arguments = json.dumps(args, ensure_ascii=False)
+        self._sent = False
+
+    def poll(self) -> list[Event]:
+        if self.rejected or self._sent:
+            return []
+        self._sent = True
+        return [
+            CallDelta(self.index, id=self.id, name=self.name),
+            CallDelta(self.index, arguments=self.arguments),
+        ]
 
 
 class ReplyParser(ABC):
@@ -179,11 +204,12 @@ class ReplyParser(ABC):
         return events, at != -1
 
     def _call(
-        self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = "", whole=False
+        self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = "", **keys: Any
     ) -> CallStream:
-        """Begin the next call, found at `prefix` of `scanner`'s JSON (`whole`: see CallStream)."""
+        """Begin the next call, found at `prefix` of `scanner`'s JSON (`keys`: CallStream's whole, name_key and
+        args_keys)."""
         index, new = len(self.calls), call_id or self.new_id()
-        call = CallStream(scanner, prefix, index, new, self.tools, name=name, whole=whole)
+        call = CallStream(scanner, prefix, index, new, self.tools, name=name, **keys)
         self.calls.append(call)
         return call
 

@@ -45,6 +45,7 @@ def registered() -> list[type[ToolFormat]]:
     from quantserve.chat.formats.generic import Generic
     from quantserve.chat.formats.harmony import Harmony
     from quantserve.chat.formats.hermes import Hermes
+    from quantserve.chat.formats.jsonlist import Apertus, Apriel, CommandR, GigaChat, MiniMaxM1, NemotronV2
     from quantserve.chat.formats.llama3 import Llama3
     from quantserve.chat.formats.marked import DeepSeekR1, DeepSeekV31, FunctionaryV31, KimiK2, Solar
     from quantserve.chat.formats.mistral import Mistral
@@ -63,6 +64,7 @@ def registered() -> list[type[ToolFormat]]:
         *(Generic, Hermes, Llama3, Mistral),
         *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony, Gemma4),
         *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm),
+        *(NemotronV2, Apriel, MiniMaxM1, CommandR, GigaChat, Apertus),
     )
     return sorted(found, key=lambda cls: cls.priority)
 

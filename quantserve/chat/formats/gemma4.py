@@ -10,7 +10,7 @@ from typing import Any
 
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
 from quantserve.chat.reasoning import holdback
-from quantserve.chat.reply import CallDelta, Event, ReplyParser
+from quantserve.chat.reply import Event, ReplyParser, WholeCall
 from quantserve.structured import Grammar, lark_literal, lark_text
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -228,7 +228,7 @@ class Gemma4Parser(ReplyParser):
                 except ValueError:
                     self.malformed = True
                     return out
-                call = _Done(len(self.calls), self.new_id(), self.name, self.tools, args)
+                call = WholeCall(len(self.calls), self.new_id(), self.name, self.tools, args)
                 self.calls.append(call)  # type: ignore[arg-type]
                 out += call.poll()
                 if call.rejected:
@@ -243,23 +243,3 @@ class Gemma4Parser(ReplyParser):
                 elif not final and holdback(rest, (CLOSE,)) == len(rest):
                     return out
                 self.state = "text"
-
-
-class _Done:
-    """A call read whole (the interface of reply.CallStream)."""
-
-    def __init__(self, index: int, call_id: str, name: str, tools: frozenset[str], args: Any):
-        self.index, self.id, self.name = index, call_id, name
-        self.rejected = name not in tools
-        self.started = self.complete = not self.rejected
-        self.arguments = json.dumps(args, ensure_ascii=False)
-        self._sent = False
-
-    def poll(self) -> list[Event]:
-        if self.rejected or self._sent:
-            return []
-        self._sent = True
-        return [
-            CallDelta(self.index, id=self.id, name=self.name),
-            CallDelta(self.index, arguments=self.arguments),
-        ]

@@ -74,7 +74,9 @@ def _call_rule(m: Marks, tool: Tool, spec: GrammarSpec, with_start: bool = True)
     if not with_start:
         written = written.removeprefix(m.start)
     head, _, tail = written.partition("\0")
-    header = lark_text(head, spec.special) + (" /[0-9]{1,2}/ " + lark_text(tail, spec.special) if tail else "")
+    header = lark_text(head, spec.special) + (
+        " /[0-9]{1,2}/ " + lark_text(tail, spec.special) if tail else ""
+    )
     close = f" {lark_text(m.close, spec.special)}" if m.close else ""
     return f"{header} {json_rule(tool.parameters)}{close}"
 

@@ -1,0 +1,213 @@
+"""Families that write a reply's calls as JSON objects between two markers:
+
+| family | a call looks like |
+|---|---|
+| Nemotron Nano 2 | `<TOOLCALL>[{"name": …, "arguments": {…}}, …]</TOOLCALL>` |
+| Apriel 1.5 / 1.6 | `<tool_calls>[{"name": …, "arguments": {…}}, …]</tool_calls>` |
+| MiniMax M1 | `<tool_calls>\\n{"name": …, "arguments": {…}}\\n…</tool_calls>` (one object a line) |
+| Command R7B, Cohere 2 | `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": …, "parameters": {…}}]<|END_ACTION|>` |
+| GigaChat 3.1 | `<|function_call|>{"name": …, "arguments": {…}}` |
+| Apertus | `<|tools_prefix|>[{"NAME": {…}}, …]<|tools_suffix|>` (the name is the key) |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, one_of, trigger_rule
+from quantserve.chat.reply import CallStream, Event, JsonCallParser, WholeCall, cut_char
+from quantserve.chat.tools import Tool
+from quantserve.structured import Grammar, embeddable, json_rule, lark_text
+
+
+@dataclass(frozen=True)
+class Shape:
+    """`open`/`close`: the markers around the calls (close "": none). `lines`: one object a line instead of an
+    array. `name`/`args`: the keys of a call's name and arguments (`name` "": the name is the object's only key).
+    `ids`: the key of a call's id, which the grammar writes as a number ("" for none)."""
+
+    open: str
+    close: str
+    lines: bool = False
+    name: str = "name"
+    args: str = "arguments"
+    ids: str = ""
+
+
+class JsonList(ToolFormat):
+    shape: ClassVar[Shape]
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return (self.shape.open,)
+
+    def _call_schema(self, tool: Tool) -> dict[str, Any]:
+        s = self.shape
+        params = embeddable(tool.parameters, f"{tool.name}.")
+        if not s.name:
+            props: dict[str, Any] = {tool.name: params}
+        else:
+            props = {**({s.ids: {"type": "string", "pattern": "^[0-9]{1,2}$"}} if s.ids else {})}
+            props |= {s.name: {"const": tool.name}, s.args: params}
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+    def grammar(self, spec: GrammarSpec) -> Grammar:
+        s = self.shape
+        item = one_of([self._call_schema(t) for t in spec.tools])
+        close = f" {lark_text(s.close, spec.special)}" if s.close else ""
+        if s.lines:
+            more = '("\\n" call)*' if spec.parallel else ""
+            body = f'"\\n" call {more} "\\n"'
+            call = f"call: {json_rule(item)}\n"
+        elif not s.close:  # one call, one object (GigaChat's templates take one a turn)
+            body, call = json_rule(item), ""
+        else:
+            array = {
+                "type": "array",
+                "items": item,
+                "minItems": 1,
+                **({} if spec.parallel else {"maxItems": 1}),
+            }
+            body, call = json_rule(array), ""
+        rules = f"{call}rest: {body}{close}\ncalls: {lark_text(s.open, spec.special)} rest"
+        free = f"%llguidance {{}}\nstart: TEXT | trig rest\n{trigger_rule(s.open, spec)}\n{TEXT_RULE}"
+        return calls_grammar(spec, rules, free)
+
+    def parser(self, tools: frozenset[str]) -> JsonListParser:
+        return JsonListParser(self.new_id, tools, self.shape)
+
+
+class JsonListParser(JsonCallParser):
+    def __init__(self, new_id, tools, shape: Shape):
+        super().__init__(new_id, tools)
+        self.s = shape
+        self.state = "text"
+
+    def _parse(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        s = self.s
+        while True:
+            if self.state == "text":
+                events, found = self._text_until(s.open, final)
+                out += events
+                if not found:
+                    return out
+                self.state = "value"
+            if self.state == "value":  # an array, or (lines) the next object, or the close
+                rest = self.text[self.cur :].lstrip()
+                at = len(self.text) - len(rest)
+                if s.close and rest.startswith(s.close):
+                    self.cur, self.state = at + len(s.close), "text"
+                    continue
+                if not rest or (s.close and s.close.startswith(cut_char(rest))):
+                    self.cut = (
+                        final and not self.calls
+                    )  # opened, and nothing written (a missing close is forgiven)
+                    return out
+                if rest[0] != ("[" if self._array else "{"):
+                    self.malformed = True  # not this family's shape
+                    return out
+                self.cur = at
+                self._scan(at)
+                self.state = "scan"
+            if self.state == "scan":
+                sc = self._advance(final)
+                if not self.s.name:  # the name is the key: each object read whole once it is
+                    while (span := sc.spans.get((len(self.calls),))) is not None and span.end is not None:
+                        out += self._whole(json.loads(sc.text[span.start : span.end]))
+                        if self.malformed:
+                            return out
+                    if sc.error:
+                        self.malformed = True
+                        return out
+                    if not sc.done:
+                        self.cut = final
+                        return out
+                elif sc.text.lstrip().startswith("["):
+                    while (len(self.calls),) in sc.spans:
+                        self._call(sc, (len(self.calls),), **self._keys())
+                else:
+                    if not self.calls or self.calls[-1].scanner is not sc:
+                        self._call(sc, (), **self._keys())
+                for call in self.calls:
+                    out += call.poll()
+                    if s.ids and isinstance(
+                        call, CallStream
+                    ):  # Command R writes each call's id in its object
+                        written = call.scanner.string_value((*call.prefix, s.ids))
+                        call.id = written if written else call.id
+                if sc.error or any(c.rejected for c in self.calls):
+                    self.malformed = True
+                    return out
+                if not sc.done:
+                    self.cut = final
+                    return out
+                self.cur = self._scan_end()
+                self.state = "value" if (s.lines or s.close) else "text"
+                if not s.lines and s.close:
+                    self.state = "close"
+            if self.state == "close":
+                rest = self.text[self.cur :].lstrip()
+                if rest.startswith(s.close):
+                    self.cur = len(self.text) - len(rest) + len(s.close)
+                elif not final and s.close.startswith(cut_char(rest)):
+                    return out
+                self.state = "text"
+
+    @property
+    def _array(self) -> bool:
+        """The calls are an array (else one object, or one a line)."""
+        return not self.s.lines and bool(self.s.close)
+
+    def _keys(self) -> dict[str, Any]:
+        return {"name_key": self.s.name, "args_keys": (self.s.args,), "whole": bool(self.s.ids)}
+
+    def _whole(self, item: Any) -> list[Event]:
+        """A call of Apertus's shape, {NAME: {arguments}}."""
+        if not isinstance(item, dict) or len(item) != 1:
+            self.malformed = True
+            return []
+        ((name, args),) = item.items()
+        call = WholeCall(len(self.calls), self.new_id(), name, self.tools, args)
+        self.calls.append(call)  # type: ignore[arg-type]
+        return call.poll()
+
+
+class NemotronV2(JsonList):
+    name = "nemotron-v2"
+    priority = 60
+    shape = Shape("<TOOLCALL>", "</TOOLCALL>")
+
+
+class Apriel(JsonList):
+    name = "apriel"
+    priority = 61
+    shape = Shape("<tool_calls>", "</tool_calls>")
+
+
+class MiniMaxM1(JsonList):
+    name = "minimax-m1"
+    priority = 62
+    shape = Shape("<tool_calls>", "</tool_calls>", lines=True)
+
+
+class CommandR(JsonList):
+    name = "command-r"
+    priority = 63
+    shape = Shape(
+        "<|START_ACTION|>", "<|END_ACTION|>", name="tool_name", args="parameters", ids="tool_call_id"
+    )
+
+
+class GigaChat(JsonList):
+    name = "gigachat"
+    priority = 64
+    shape = Shape("<|function_call|>", "")
+
+
+class Apertus(JsonList):
+    name = "apertus"
+    priority = 65
+    shape = Shape("<|tools_prefix|>", "<|tools_suffix|>", name="")
