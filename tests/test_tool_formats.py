@@ -74,6 +74,81 @@ END_MARKERS = (  # the templates' own, never in generated text (the engine stops
 ONE_CALL = ("llama3", "harmony", "gigachat")  # templates that render one call per assistant turn
 LEAD = re.compile(r"(?s)^(?:.*<[｜|][Aa]ssistant[｜|]>)?\s*(?:<think>\s*</think>|</think>)?\s*$")
 
+# Every template llama.cpp ships, and the format it gets (read from the template by probe renders). Before the
+# 2026 families: 17 native (hermes 10, mistral 4, llama3 3) and 53 generic.
+SHIPPED = {
+    "Apertus-8B-Instruct": "apertus",
+    "Apriel-1.6-15b-Thinker-fixed": "apriel",
+    "Bielik-11B-v3.0-Instruct": "hermes",
+    "ByteDance-Seed-OSS": "seed-oss",
+    "Cohere2MoE": "command-r",
+    "CohereForAI-c4ai-command-r-plus-tool_use": "generic",  # a format not read yet
+    "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command-r",
+    "GLM-4.6": "glm",
+    "GLM-4.7-Flash": "glm",
+    "GigaChat3-10B-A1.8B": "gigachat3",
+    "GigaChat3.1-10B-A1.8B": "gigachat",
+    "HuggingFaceTB-SmolLM3-3B": "generic",  # a format not read yet
+    "Kimi-K2-Instruct": "kimi-k2",
+    "Kimi-K2-Thinking": "kimi-k2",
+    "Kimi-K3": "generic",  # a format not read yet
+    "LFM2-8B-A1B": "lfm2",
+    "LFM2.5-8B-A1B": "lfm2",
+    "LFM2.5-Instruct": "lfm2",
+    "MiMo-VL": "hermes",
+    "MiniMax-M1": "minimax-m1",
+    "MiniMax-M2": "minimax-m2",
+    "MiniMax-M3": "generic",  # a format not read yet
+    "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
+    "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "qwen3-coder",
+    "NVIDIA-Nemotron-Nano-v2": "nemotron-v2",
+    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": "hermes",
+    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": "hermes",
+    "Qwen-QwQ-32B": "hermes",
+    "Qwen-Qwen2.5-7B-Instruct": "hermes",
+    "Qwen-Qwen3-0.6B": "hermes",
+    "Qwen3-Coder": "qwen3-coder",
+    "Qwen3.5-4B": "qwen3-coder",
+    "Reka-Edge": "hermes",
+    "Spark2.5": "glm",
+    "StepFun3.5-Flash": "qwen3-coder",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B": "deepseek-r1",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": "deepseek-r1",
+    "deepseek-ai-DeepSeek-V3.1": "deepseek-v3.1",
+    "deepseek-ai-DeepSeek-V3.2": "deepseek-v3.2",
+    "deepseek-ai-DeepSeek-V4-Flash-0731": "deepseek-v4",
+    "deepseek-ai-DeepSeek-V4": "deepseek-v4",
+    "fireworks-ai-llama-3-firefunction-v2": "generic",  # a format not read yet
+    "google-gemma-2-2b-it": "generic",  # knows no tools
+    "google-gemma-4-31B-it-interleaved": "gemma4",
+    "google-gemma-4-31B-it": "gemma4",
+    "ibm-granite-granite-3.3-2B-Instruct": "generic",  # a format not read yet
+    "ibm-granite-granite-4.0": "hermes",
+    "ibm-granite-granite-4.1": "hermes",
+    "inclusionai-ling-3.0-flash": "glm",
+    "llama-cpp-deepseek-r1": "deepseek-r1",
+    "llama-cpp-rwkv-world": "generic",  # knows no tools
+    "meetkai-functionary-medium-v3.1": "functionary-v3.1",
+    "meetkai-functionary-medium-v3.2": "generic",  # a format not read yet
+    "meta-llama-Llama-3.1-8B-Instruct": "llama3",
+    "meta-llama-Llama-3.2-3B-Instruct": "llama3",
+    "meta-llama-Llama-3.3-70B-Instruct": "llama3",
+    "microsoft-Phi-3.5-mini-instruct": "generic",  # knows no tools
+    "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",
+    "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
+    "moonshotai-Kimi-K2": "kimi-k2",
+    "muse-glimmer": "generic",  # a format not read yet
+    "openai-gpt-oss-120b": "harmony",
+    "openbmb-MiniCPM5-1B": "minicpm",
+    "poolside-Laguna-S-2.1": "glm",
+    "poolside-Laguna-XS-2.1": "glm",
+    "poolside-Laguna-XS.2": "glm",
+    "tencent-Hy3": "hunyuan",
+    "unsloth-Apriel-1.5": "apriel",
+    "unsloth-mistral-Devstral-Small-2507": "mistral",
+    "upstage-Solar-Open-100B": "solar",
+}
+
 WEATHER = Tool(
     "get_weather",
     "Current weather in a city.",
@@ -141,6 +216,17 @@ def assemble(fmt: ToolFormat, pieces: list[str], finish: str = "stop", tools=TOO
 
 def calls_of(reply) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in reply.tool_calls]
+
+
+def test_the_table_covers_every_shipped_template():
+    if not TEMPLATES.is_dir():
+        pytest.skip(f"{TEMPLATES} not present")
+    assert sorted(p.stem for p in TEMPLATES.glob("*.jinja")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_tool_format_of_each_shipped_template(name):
+    assert tool_format(template(f"{name}.jinja")).name == SHIPPED[name]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -104,7 +104,7 @@ class ChatPrompt:
 
 def tool_format(template: ChatTemplate) -> ToolFormat:
     """The template's tool-call format (probe renders: cache it)."""
-    return detect(template.probe)
+    return detect(template.probe, template.source, template.origin)
 
 
 def build_prompt(

@@ -106,6 +106,7 @@ class ChatTemplate:
         except TemplateError as exc:
             raise ConfigError(f"the chat template from {origin} does not parse: {exc}") from exc
         self.source = source
+        self.origin = origin
         self.bos_token = bos_token
         self.eos_token = eos_token
 

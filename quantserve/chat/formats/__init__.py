@@ -9,6 +9,7 @@ template whose calls no format reads (including templates that know no tools at 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
@@ -18,6 +19,8 @@ from quantserve.chat.reply import ReplyParser
 from quantserve.chat.template import PROBE_CALL, TemplateProbe
 from quantserve.chat.tools import Tool, ToolChoice, new_call_id
 from quantserve.structured import Grammar, embeddable, json_rule, lark_grammar, lark_literal
+
+log = logging.getLogger("quantserve.chat")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,16 @@ def registered() -> list[type[ToolFormat]]:
     from quantserve.chat.formats.generic import Generic
     from quantserve.chat.formats.harmony import Harmony
     from quantserve.chat.formats.hermes import Hermes
-    from quantserve.chat.formats.jsonlist import Apertus, Apriel, CommandR, GigaChat, MiniMaxM1, NemotronV2
+    from quantserve.chat.formats.jsonlist import (
+        Apertus,
+        Apriel,
+        CommandR,
+        GigaChat,
+        GigaChat3,
+        MiniMaxM1,
+        NemotronV2,
+    )
+    from quantserve.chat.formats.lfm2 import Lfm2
     from quantserve.chat.formats.llama3 import Llama3
     from quantserve.chat.formats.marked import DeepSeekR1, DeepSeekV31, FunctionaryV31, KimiK2, Solar
     from quantserve.chat.formats.mistral import Mistral
@@ -62,20 +74,31 @@ def registered() -> list[type[ToolFormat]]:
 
     found = (
         *(Generic, Hermes, Llama3, Mistral),
-        *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony, Gemma4),
+        *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony, Gemma4, Lfm2),
         *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm),
-        *(NemotronV2, Apriel, MiniMaxM1, CommandR, GigaChat, Apertus),
+        *(NemotronV2, Apriel, MiniMaxM1, CommandR, GigaChat, GigaChat3, Apertus),
     )
     return sorted(found, key=lambda cls: cls.priority)
 
 
-def detect(probe: TemplateProbe) -> ToolFormat:
-    """The format of the first registered family that reads the template's probe call back."""
+def detect(probe: TemplateProbe, source: str = "", origin: str = "the template") -> ToolFormat:
+    """The format of the first registered family that reads the template's probe call back; failing that, of a
+    family whose own words the template's `source` holds (LFM2's templates list tools without ever writing a
+    call). A template that speaks of tools and is still not read gets the generic format, with a log line."""
     for cls in registered():
         fmt = cls.from_probe(probe)
-        if fmt is not None:
+        if fmt is not None and fmt.name != "generic":
             return fmt
-    raise AssertionError("unreachable: the generic format, registered last, takes every template")
+    for cls in registered():
+        if cls.hints and all(h in source for h in cls.hints):
+            return cls(probe)
+    if probe.turn is not None or "tool" in source:
+        log.warning(
+            "%s writes tool calls in a way quantserve does not read; requests with tools get the generic JSON "
+            "format (the tools described in the system turn)",
+            origin,
+        )
+    return registered()[-1](probe)
 
 
 class ToolFormat(ABC):
@@ -84,6 +107,7 @@ class ToolFormat(ABC):
     name: ClassVar[str]
     priority: ClassVar[int]  # detection order, lowest first
     native: ClassVar[bool] = True  # the template itself describes the tools and renders calls and results
+    hints: ClassVar[tuple[str, ...]] = ()  # texts only this family's templates hold (see detect)
 
     def __init__(self, probe: TemplateProbe):
         self.probe = probe

@@ -211,3 +211,9 @@ class Apertus(JsonList):
     name = "apertus"
     priority = 65
     shape = Shape("<|tools_prefix|>", "<|tools_suffix|>", name="")
+
+
+class GigaChat3(JsonList):
+    name = "gigachat3"
+    priority = 66
+    shape = Shape("<|message_sep|>\n\nfunction call<|role_sep|>", "")
