@@ -204,6 +204,16 @@ def test_thinking_off_uses_the_templates_own_switch():
     assert on.text.endswith("<|im_start|>assistant\n") and not on.opened and on.reasoning is not None
 
 
+def test_reasoning_format_none_keeps_the_block_in_the_content():
+    """--reasoning-format none: the reply as written, starting with the block the prompt opened (as llama.cpp)."""
+    prompt = _prompt("deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", separate=False)
+    asm = prompt.assembler()
+    for piece in ("Let me ", "see.</think>", "\n\nParis."):
+        asm.feed(piece)
+    _, reply = asm.finish("stop")
+    assert (reply.content, reply.reasoning) == ("<think>\nLet me see.</think>\n\nParis.", None)
+
+
 def test_reasoning_asked_of_a_template_without_it_is_a_400():
     with pytest.raises(InvalidRequestError) as e:
         _prompt("Qwen-Qwen2.5-7B-Instruct.jinja", asked="thinking")

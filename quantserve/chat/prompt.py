@@ -88,15 +88,19 @@ class ChatPrompt:
     def assembler(self) -> ReplyAssembler | None:
         """A parser for one reply (one per choice), or None when the reply is plain text."""
         split = self.reasoning is not None and self.separate
-        if self.format is None and not split:
+        # --reasoning-format none: the reply's text as written, beginning with the block its prompt opened
+        lead = ""
+        if self.reasoning is not None and not self.separate and self.opened:
+            lead = self.text[self.text.rfind(self.reasoning.start) :]
+        if self.format is None and not split and not lead:
             return None
         req = self.request
         calls = self.format.markers if self.format is not None else ()
         splitter = ReasoningSplitter(self.reasoning, self.opened, calls) if split else None
         if self.format is None:
-            return ReplyAssembler(None, reasoning=splitter)
+            return ReplyAssembler(None, reasoning=splitter, lead=lead)
         asm = ReplyAssembler(
-            self.format.reply_parser(req.callable_tools), CallChecker(req.tools), req.parallel, splitter
+            self.format.reply_parser(req.callable_tools), CallChecker(req.tools), req.parallel, splitter, lead
         )
         asm.feed(self.prefill)  # what the client wrote itself is not sent back
         return asm

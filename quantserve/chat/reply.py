@@ -262,8 +262,10 @@ class ReplyAssembler:
         checker: CallChecker | None = None,
         parallel: bool = True,
         reasoning: ReasoningSplitter | None = None,
+        lead: str = "",
     ):
         self.parser = parser
+        self._lead = lead  # text the reply is taken to begin with (a thinking block its prompt opened)
         self.checker = checker
         self.parallel = parallel
         self.reasoning = reasoning
@@ -273,6 +275,7 @@ class ReplyAssembler:
     def feed(self, text: str) -> list[Event]:
         if not text:
             return []
+        text, self._lead = self._lead + text, ""
         if self.reasoning is None:
             return self._answer(text, final=False)
         thought, answer = self.reasoning.feed(text)
