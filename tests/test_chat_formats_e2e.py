@@ -55,7 +55,7 @@ def client(request, smollm2_gguf, smollm2_hf, tmp_path_factory) -> openai.OpenAI
     (tmp / "models.toml").write_text(entries)
     srv = start_server(
         tmp,
-        "--models-file", str(tmp / "models.toml"), "--models-max", "1",
+        "--models-file", str(tmp / "models.toml"), "--models-max", str(len(FAMILIES)),
         "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "1",
     )  # fmt: skip
     yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -98,3 +98,40 @@ def test_reasoning_apart_bounded_and_switched_off(client, name):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert off.choices[0].message.model_dump().get("reasoning_content") is None
+
+
+def _chat_calls(client, model: str, max_tokens: int, stream: bool) -> tuple[str, list[tuple[str, str]]]:
+    kw = dict(
+        model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=max_tokens
+    )
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        return choice.finish_reason, [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or []
+        ]
+    calls: dict[int, list[str]] = {}
+    reason = ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        choice = chunk.choices[0]
+        reason = choice.finish_reason or reason
+        for d in choice.delta.tool_calls or []:
+            entry = calls.setdefault(d.index, ["", ""])
+            entry[0] += d.function.name or ""
+            entry[1] += d.function.arguments or ""
+    return reason, [(n, a) for n, a in calls.values()]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_reply_cut_in_its_calls_keeps_the_complete_ones(client, name):
+    """SmolLM2 goes on writing calls under a parallel grammar until max_tokens cuts one (or it stops): the calls
+    written in full come back parsed and valid, streamed and not, and an unfinished one is dropped. (The two runs
+    are compared call by call only for validity: the second hits the prefix cache, which may change a greedy
+    reply.)"""
+    model = _model(name)
+    for stream in (False, True):
+        reason, calls = _chat_calls(client, model, 72, stream=stream)
+        assert calls, "no complete call came back"
+        for call_name, arguments in calls:
+            assert call_name == "get_weather"
+            jsonschema.validate(json.loads(arguments), SCHEMA)
+        assert reason in ("length", "tool_calls")
