@@ -5,10 +5,15 @@ The format is read from the template, never from the model's name. A probe rende
 holds both a known reasoning text and a known answer (under every key templates read it from:
 `reasoning_content`, `reasoning`, `thinking`, `thought`, or a `thinking` content block) and takes the markers
 around the reasoning: `<think>`…`</think>` for Qwen3, DeepSeek, GLM, Kimi and MiniMax, `[THINK]`…`[/THINK]` for
-Ministral, `<seed:think>` for Seed-OSS, and harmony's analysis channel up to the final one for gpt-oss. A template
-that drops reasoning from its history but names a known marker (DeepSeek-R1's distills open `<think>` in their
-generation prompt) gets that marker's pair. Renders of the generation prompt then tell whether the prompt opens
-the block itself (the reply starts inside it) and whether the template reads `enable_thinking`.
+Ministral, `<seed:think>` for Seed-OSS, and harmony's analysis channel for gpt-oss. A template that drops
+reasoning from its history is read from the empty block it writes when thinking is off (Gemma 4), or from a known
+marker its generation prompt opens (DeepSeek-R1's distills) or its source names. Renders of the generation prompt
+then tell whether the prompt opens the block itself (the reply starts inside it) and whether the template reads
+`enable_thinking`.
+
+Then, per request: ReasoningRequest (the controls), ReasoningSplitter (a reply into reasoning and answer, as it
+streams), and after_reasoning (a grammar that applies from the end of the block). The engine's side, the budget,
+is quantserve.core.thinking.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ KNOWN = {
     "<|START_THINKING|>": "<|END_THINKING|>",
 }
 _CLOSING = re.compile(r"<\|(?:[A-Za-z_]*(?:END|end)[A-Za-z_]*|eom)\|>")  # <|end|>, <|END_THINKING|>, <|eom|>
-HARMONY_START = "<|channel|>analysis<|message|>"
 # Names shown in `inspect`, /v1/models and logs, by start marker.
 NAMES = {
     "<think>": "think",
@@ -164,8 +168,7 @@ def detect_reasoning(template: ChatTemplate) -> ReasoningFormat | None:
         switch=off != head,
         answer_header=header,
     )
-    gen = head[len(os.path.commonprefix([base, head])) :]
-    return replace(fmt, opened=fmt.opened_in(gen))
+    return replace(fmt, opened=fmt.opened_in(gen_on))
 
 
 def _from_history(render, user, base) -> tuple[str, str, str, str] | None:
@@ -261,9 +264,7 @@ class ReasoningSplitter:
         self.state = "reasoning" if opened else "start"
         self.buf = ""
         self.reasoning = ""  # all of it, once finished
-        self._fresh = (
-            True  # at the start of the reasoning (its leading whitespace and a repeated marker dropped)
-        )
+        self._fresh = True  # at the reasoning's start: its leading blanks and a repeated marker are dropped
         self._strip_answer = opened  # the answer after a block starts at its first non-blank character
         self._closed = False  # the answer's closing tag has come (Cohere's <|END_TEXT|>)
 
@@ -354,8 +355,7 @@ class ReasoningRequest:
     """What a request (over the server's defaults) asks of the reasoning.
 
     `mode`: on (the block is opened in the prompt if the template does not open it), off, or auto (thinking
-    where the model thinks by itself). `budget`: at most this many reasoning tokens (None:
-    unbounded). `effort`: low, medium or high, for templates that read `reasoning_effort` (gpt-oss). `separate`:
+    where the model thinks by itself). `budget`: at most this many reasoning tokens (None: unbounded). `effort`: low, medium or high, for templates that read `reasoning_effort` (gpt-oss). `separate`:
     reasoning goes apart from the answer (--reasoning-format auto); False leaves it in the content as written.
     `asked`: the request field that asked for reasoning, named in the error when the model has none.
     """
