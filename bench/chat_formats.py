@@ -61,7 +61,7 @@ def prompt_text(tag: str, thinks: bool) -> str:
     """The prompt a chat request renders, built the server's way: with the tool and the think block opened, or
     (the plain request) neither."""
     from quantserve.chat import ChatRequest, ChatTemplate, ToolChoice, build_prompt, tool_format
-    from quantserve.chat.reasoning import ReasoningRequest
+    from quantserve.chat.reasoning_request import ReasoningRequest
     from quantserve.chat.tools import parse_openai_tools
 
     t = ChatTemplate.from_file(TEMPLATE, bos_token="", eos_token="<|endoftext|>")

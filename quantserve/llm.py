@@ -14,7 +14,8 @@ from typing import Any
 
 from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
 from quantserve.chat.formats import ToolFormat
-from quantserve.chat.reasoning import ReasoningFormat, ReasoningRequest, check_budget, check_effort
+from quantserve.chat.reasoning import ReasoningFormat
+from quantserve.chat.reasoning_request import ReasoningRequest
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import Image, ImageSpan, expand_images
 from quantserve.core.plan import ModelPlan
@@ -112,35 +113,9 @@ class LLM:
         """How the model's template marks reasoning (None: it has none, or no template)."""
         return None if self.chat_template is None else self.chat_template.reasoning
 
-    def reasoning_request(
-        self,
-        *,
-        enable: bool | None = None,
-        budget: Any = None,
-        effort: Any = None,
-        asked: str | None = None,
-        budget_param: str = "reasoning_budget",
-        effort_param: str = "reasoning_effort",
-    ) -> ReasoningRequest:
-        """A request's reasoning controls over the server's defaults (--reasoning, --reasoning-format,
-        --reasoning-budget, models.toml). `enable`: the request's own switch; `asked`: the field that asked for
-        thinking explicitly (a 400 names it if the model has no reasoning).
-
-        Raises:
-            InvalidRequestError: a budget that is not a positive integer, an effort not low/medium/high.
-        """
-        s = self.settings
-        mode = s.reasoning if enable is None else ("on" if enable else "off")
-        budget = check_budget(budget, budget_param)
-        if budget is None and s.reasoning_budget is not None:
-            budget = s.reasoning_budget
-        return ReasoningRequest(
-            mode=mode,
-            budget=budget,
-            effort=check_effort(effort, effort_param),
-            separate=s.reasoning_format != "none",
-            asked=asked,
-        )
+    def reasoning_request(self, **controls: Any) -> ReasoningRequest:
+        """A request's reasoning controls over this model's settings (ReasoningRequest.over's keywords)."""
+        return ReasoningRequest.over(self.settings, **controls)
 
     def thinking_spec(self, prompt: ChatPrompt) -> ThinkingSpec | None:
         """What the engine watches in a reply that may think: the block's markers, and the end marker's tokens

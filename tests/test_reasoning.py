@@ -13,7 +13,8 @@ import llguidance
 import pytest
 
 from quantserve.chat import ChatRequest, ChatTemplate, build_prompt
-from quantserve.chat.reasoning import PROBE_ANSWER, ReasoningRequest, ReasoningSplitter
+from quantserve.chat.reasoning import PROBE_ANSWER, ReasoningSplitter
+from quantserve.chat.reasoning_request import ReasoningRequest
 from quantserve.core.thinking import ThinkingSpec, ThinkState
 from quantserve.errors import InvalidRequestError
 from quantserve.structured import json_schema_grammar

@@ -11,13 +11,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.chat.formats import GrammarSpec, ToolFormat, detect
-from quantserve.chat.reasoning import (
-    REASONING_KEYS,
-    ReasoningFormat,
-    ReasoningRequest,
-    ReasoningSplitter,
-    after_reasoning,
-)
+from quantserve.chat.reasoning import REASONING_KEYS, ReasoningFormat, ReasoningSplitter
+from quantserve.chat.reasoning_request import ReasoningRequest, after_reasoning
 from quantserve.chat.reply import ReplyAssembler
 from quantserve.chat.template import ChatTemplate
 from quantserve.chat.tools import CallChecker, Tool, ToolChoice

@@ -11,21 +11,18 @@ marker its generation prompt opens (DeepSeek-R1's distills) or its source names.
 then tell whether the prompt opens the block itself (the reply starts inside it) and whether the template reads
 `enable_thinking`.
 
-Then, per request: ReasoningRequest (the controls), ReasoningSplitter (a reply into reasoning and answer, as it
-streams), and after_reasoning (a grammar that applies from the end of the block). The engine's side, the budget,
-is quantserve.core.thinking.
+Then, per reply, ReasoningSplitter parts its reasoning from its answer as it streams. A request's controls are in
+quantserve.chat.reasoning_request, and the engine's side, the budget, in quantserve.core.thinking.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from quantserve.errors import ChatTemplateError, InvalidRequestError
-from quantserve.structured import Grammar, lark_text
+from quantserve.errors import ChatTemplateError
 
 if TYPE_CHECKING:
     from quantserve.chat.template import ChatTemplate
@@ -345,72 +342,3 @@ class ReasoningSplitter:
         if fixed.startswith(answer):
             return True
         return bool(sep) and answer.startswith(fixed) and sep not in answer and len(answer) < 200
-
-
-EFFORTS = ("low", "medium", "high")
-
-
-@dataclass(frozen=True)
-class ReasoningRequest:
-    """What a request (over the server's defaults) asks of the reasoning.
-
-    `mode`: on (the block is opened in the prompt if the template does not open it), off, or auto (thinking
-    where the model thinks by itself). `budget`: at most this many reasoning tokens (None: unbounded). `effort`: low, medium or high, for templates that read `reasoning_effort` (gpt-oss). `separate`:
-    reasoning goes apart from the answer (--reasoning-format auto); False leaves it in the content as written.
-    `asked`: the request field that asked for reasoning, named in the error when the model has none.
-    """
-
-    mode: str = "auto"
-    budget: int | None = None
-    effort: str | None = None
-    separate: bool = True
-    asked: str | None = None
-
-    def variables(self, fmt: ReasoningFormat | None) -> dict[str, Any]:
-        """Template variables: the switch (`enable_thinking`, and Granite's `thinking`) and the effort."""
-        out: dict[str, Any] = {}
-        if fmt is not None:  # on unless asked off, as llama.cpp passes it (templates differ when it is unset)
-            out["enable_thinking"] = out["thinking"] = self.mode != "off"
-        if self.effort is not None:
-            out["reasoning_effort"] = self.effort
-        return out
-
-
-def check_budget(value: Any, param: str) -> int | None:
-    """A reasoning budget from a request: None or a positive integer.
-
-    Raises:
-        InvalidRequestError: anything else, naming `param`.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequestError(
-            f"'{param}' must be a positive integer (a number of reasoning tokens); got {value!r}", param=param
-        )
-    return value
-
-
-def check_effort(value: Any, param: str) -> str | None:
-    if value is None or value in EFFORTS:
-        return value
-    raise InvalidRequestError(f"'{param}' must be 'low', 'medium' or 'high'; got {value!r}", param=param)
-
-
-def after_reasoning(grammar: Grammar, fmt: ReasoningFormat, opened: bool, special: dict[str, int]) -> Grammar:
-    """`grammar`, applied from the end of the reasoning block (lazily, as llama.cpp's triggered grammars): the
-    block is free text up to its end marker, and a reply that does not open one starts with the grammar at
-    once. Blank space (and harmony's header of the answer) may come between the block and the grammar."""
-    inner = json.loads(grammar.source)["grammars"] if grammar.source.lstrip().startswith("{") else None
-    first, rest = (inner[0], inner[1:]) if inner else ({"lark_grammar": grammar.source}, [])
-    end = lark_text(fmt.end, special)
-    header = f"({lark_text(fmt.answer_header, special)})?" if fmt.answer_header else ""
-    block = (
-        f"think[lazy]: TEXT {end}"
-        if opened
-        else f"think: {lark_text(fmt.start, special)} body\nbody[lazy]: TEXT {end}"
-    )
-    head = "think" if opened else "think?"
-    lark = f"start: {head} /[ \\t\\n]*/ {header} @inner\n{block}\nTEXT: /(.|\\n)*/"
-    doc = {"grammars": [{"lark_grammar": lark}, {**first, "name": "inner"}, *rest]}
-    return replace(grammar, source=json.dumps(doc, ensure_ascii=False))

@@ -195,13 +195,22 @@ class ReplyParser(ABC):
     def _text_until(self, marker: str, final: bool) -> tuple[list[Event], bool]:
         """The text from self.cur up to `marker`, as content; True once the marker is found (self.cur is then just
         past it). Text that may be the marker's start is held back until more comes (or the reply ends)."""
-        at = self.text.find(marker, self.cur)
-        end = (
-            at if at != -1 else len(self.text) - (0 if final else holdback(self.text[self.cur :], (marker,)))
-        )
+        events, found = self._text_until_any((marker,), final)
+        if found is not None:
+            self.cur += len(found)
+        return events, found is not None
+
+    def _text_until_any(self, markers: tuple[str, ...], final: bool) -> tuple[list[Event], str | None]:
+        """The text from self.cur up to the first of `markers`, as content, and that marker (self.cur is then at
+        it), or None while none has come (the text that may begin one is held back)."""
+        hits = [(k, m) for m in markers if (k := self.text.find(m, self.cur)) != -1]
+        if hits:
+            end, found = min(hits)
+        else:
+            end, found = len(self.text) - (0 if final else holdback(self.text[self.cur :], markers)), None
         events = self.content.add(self.text[self.cur : end])
-        self.cur = end + len(marker) if at != -1 else end
-        return events, at != -1
+        self.cur = end
+        return events, found
 
     def _call(
         self, scanner: JsonScanner, prefix: Path, *, name: str | None = None, call_id: str = "", **keys: Any

@@ -216,6 +216,23 @@ def one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+def keyword_sequence(pairs: dict[str, str], required: set[str], sep: str) -> str:
+    """Lark for an object's or a call's key-value `pairs` (key -> its Lark) written in order, separated by `sep`
+    (Lark): the required ones, then any of the optional ones; with none required, nothing or a first one and any
+    later ones. For formats whose arguments are not JSON (Gemma 4, LFM2)."""
+    must = [k for k in pairs if k in required]
+    may = [k for k in pairs if k not in required]
+
+    def later(keys: list[str]) -> str:
+        return "".join(f" ({sep} {pairs[k]})?" for k in keys)
+
+    if must:
+        return f" {sep} ".join(pairs[k] for k in must) + later(may)
+    if may:
+        return "(" + " | ".join(f"({pairs[k]}{later(may[i + 1 :])})" for i, k in enumerate(may)) + ")?"
+    return ""
+
+
 TEXT_RULE = "TEXT: /(.|\\n)*/"  # any text at all (control tokens never match text)
 
 

@@ -8,7 +8,14 @@ import json
 import re
 from typing import Any
 
-from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
+from quantserve.chat.formats import (
+    TEXT_RULE,
+    GrammarSpec,
+    ToolFormat,
+    calls_grammar,
+    keyword_sequence,
+    trigger_rule,
+)
 from quantserve.chat.reasoning import holdback
 from quantserve.chat.reply import Event, ReplyParser, WholeCall
 from quantserve.structured import Grammar, lark_literal, lark_text
@@ -123,7 +130,7 @@ def _value(
         target = (root.get("$defs") or root.get("definitions") or {}).get(key)
         rule = "ref_" + re.sub(r"[^a-z0-9_]", "_", key.lower())
         if rule not in rules:
-            rules[rule] = "gval"  # a placeholder while it is built (a recursive model)
+            rules[rule] = "gval"  # named before it is built, so that a recursive model refers to it
             rules[rule] = _value(target, root, q, rules, rule, depth + 1)
         return rule
     choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
@@ -163,21 +170,12 @@ def _array(schema: dict[str, Any], root, q, rules, name: str, depth: int) -> str
 def _object(schema: dict[str, Any], root, q, rules, name: str, depth: int) -> str:
     """The required properties in order, then any of the optional ones, in order."""
     props: dict[str, Any] = schema.get("properties") or {}
-    required = [k for k in props if k in set(schema.get("required") or ())]
-    optional = [k for k in props if k not in required]
+    required = set(schema.get("required") or ())
     pair = {
         k: f'{lark_literal(k)} ":" {_value(props[k], root, q, rules, f"{name}_{j}", depth + 1)}'
         for j, k in enumerate(props)
     }
-    if required:
-        body = ' "," '.join(pair[k] for k in required) + "".join(f' ("," {pair[k]})?' for k in optional)
-    elif optional:  # none required: nothing, or a first one and any later ones
-        starts = [
-            pair[k] + "".join(f' ("," {pair[o]})?' for o in optional[i + 1 :]) for i, k in enumerate(optional)
-        ]
-        body = "(" + " | ".join(f"({x})" for x in starts) + ")?"
-    else:
-        body = ""
+    body = keyword_sequence(pair, required, '","')
     rule = f"o_{name}"
     rules[rule] = f'"{{" {body} "}}"'
     return rule

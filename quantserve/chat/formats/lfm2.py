@@ -11,7 +11,14 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
+from quantserve.chat.formats import (
+    TEXT_RULE,
+    GrammarSpec,
+    ToolFormat,
+    calls_grammar,
+    keyword_sequence,
+    trigger_rule,
+)
 from quantserve.chat.reply import Event, ReplyParser, WholeCall
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, json_rule, lark_literal, lark_text
@@ -93,19 +100,9 @@ def _call_rule(tool: Tool) -> str:
     params = tool.parameters
     props: dict[str, Any] = params.get("properties") or {}
     defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-    required = [k for k in props if k in set(params.get("required") or ())]
-    optional = [k for k in props if k not in required]
+    required = set(params.get("required") or ())
     pair = {k: f"{lark_literal(k + '=')} {json_rule({**props[k], **defs})}" for k in props}
-    if required:
-        body = ' ", " '.join(pair[k] for k in required) + "".join(f' (", " {pair[k]})?' for k in optional)
-    elif optional:
-        starts = [
-            pair[k] + "".join(f' (", " {pair[o]})?' for o in optional[i + 1 :])
-            for i, k in enumerate(optional)
-        ]
-        body = "(" + " | ".join(f"({x})" for x in starts) + ")?"
-    else:
-        body = ""
+    body = keyword_sequence(pair, required, '", "')
     return f'{lark_literal(tool.name)} "(" {body} ")"'
 
 

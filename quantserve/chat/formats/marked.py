@@ -98,18 +98,14 @@ class MarkedParser(JsonCallParser):
             if self.state == "text":
                 # calls begin with the section's opening, or with a call's start without one (Kimi K2 Thinking)
                 markers = (m.section[0], m.start) if m.section is not None else (m.start,)
-                hits = [(k, x) for x in markers if (k := self.text.find(x, self.cur)) != -1]
-                if not hits:
-                    keep = 0 if final else holdback(self.text[self.cur :], markers)
-                    out += self.content.add(self.text[self.cur : len(self.text) - keep])
-                    self.cur = len(self.text) - keep
+                events, marker = self._text_until_any(markers, final)
+                out += events
+                if marker is None:
                     return out
-                k, marker = min(hits)
-                out += self.content.add(self.text[self.cur : k])
                 if marker == m.start:
-                    self.cur, self.state = k, "header"  # the start is part of the header
+                    self.state = "header"  # the start is part of the header
                 else:
-                    self.cur, self.state = k + len(marker), "section"
+                    self.cur, self.state = self.cur + len(marker), "section"
             if self.state == "section":
                 assert m.section is not None
                 rest = self.text[self.cur :].lstrip()

@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
-from quantserve.chat.reasoning import holdback
 from quantserve.chat.reply import CallDelta, Event, ReplyParser, cut_char
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, json_rule, lark_literal, lark_text
@@ -191,16 +190,14 @@ class TaggedParser(ReplyParser):
         while True:
             if self.state == "text":
                 markers = (t.section[0], t.start) if t.section is not None else (t.start,)
-                hits = [(k, m) for m in markers if (k := self.text.find(m, self.cur)) != -1]
-                if not hits:
-                    keep = 0 if final else holdback(self.text[self.cur :], markers)
-                    out += self.content.add(self.text[self.cur : len(self.text) - keep])
-                    self.cur = len(self.text) - keep
+                events, marker = self._text_until_any(markers, final)
+                out += events
+                if marker is None:
                     return out
-                k, marker = min(hits)
-                out += self.content.add(self.text[self.cur : k])
-                self.cur = k + (len(marker) if t.section is not None and marker == t.section[0] else 0)
-                self.state = "section" if marker != t.start else "open"
+                if marker == t.start:
+                    self.state = "open"  # the start is part of the call's opening
+                else:
+                    self.cur, self.state = self.cur + len(marker), "section"
             if self.state == "section":
                 assert t.section is not None
                 rest = self.text[self.cur :].lstrip()

@@ -22,7 +22,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from quantserve.chat import ChatRequest, ReasoningDelta, TextDelta
-from quantserve.chat.reasoning import ReasoningRequest
+from quantserve.chat.reasoning_request import ReasoningRequest
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.generation import Choice, Run
