@@ -63,16 +63,23 @@ FAMILIES = {
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": "command-r",
     "GigaChat3.1-10B-A1.8B.jinja": "gigachat",
     "Apertus-8B-Instruct.jinja": "apertus",
+    "CohereForAI-c4ai-command-r-plus-tool_use.jinja": "command-r-plus",
+    "fireworks-ai-llama-3-firefunction-v2.jinja": "firefunction-v2",
+    "ibm-granite-granite-3.3-2B-Instruct.jinja": "granite",
+    "meetkai-functionary-medium-v3.2.jinja": "functionary-v3.2",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<end_of_turn>", "<seed:eos>", "[e~[", "<|calls|>",
     "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>", "<|call|>", "<|tool_response>",
-    "<SPECIAL_12>", "<|end|>", "<end_of_sentence>", "<|END_OF_TURN_TOKEN|>", "<|message_sep|>",
+    "<SPECIAL_12>", "<|end|>", "<end_of_sentence>", "<|END_OF_TURN_TOKEN|>", "<|message_sep|>", "<|end_of_text|>",
+    "<|START_OF_TURN_TOKEN|>",
 )  # fmt: skip
 # what some templates write before the calls (an empty or closed think block): the reply's content
 ONE_CALL = ("llama3", "harmony", "gigachat")  # templates that render one call per assistant turn
-LEAD = re.compile(r"(?s)^(?:.*<[｜|][Aa]ssistant[｜|]>)?\s*(?:<think>\s*</think>|</think>)?\s*$")
+LEAD = re.compile(
+    r"(?s)^(?:.*(?:<[｜|][Aa]ssistant[｜|]>|<\|CHATBOT_TOKEN\|>))?\s*(?:<think>\s*</think>|</think>)?\s*$"
+)  # the turn as the probe cuts it begins at the prompt's end: Command R+ writes its header after a system turn
 
 # Every template llama.cpp ships, and the format it gets (read from the template by probe renders). Before the
 # 2026 families: 17 native (hermes 10, mistral 4, llama3 3) and 53 generic.
@@ -82,13 +89,13 @@ SHIPPED = {
     "Bielik-11B-v3.0-Instruct": "hermes",
     "ByteDance-Seed-OSS": "seed-oss",
     "Cohere2MoE": "command-r",
-    "CohereForAI-c4ai-command-r-plus-tool_use": "generic",  # a format not read yet
+    "CohereForAI-c4ai-command-r-plus-tool_use": "command-r-plus",
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use": "command-r",
     "GLM-4.6": "glm",
     "GLM-4.7-Flash": "glm",
     "GigaChat3-10B-A1.8B": "gigachat3",
     "GigaChat3.1-10B-A1.8B": "gigachat",
-    "HuggingFaceTB-SmolLM3-3B": "generic",  # a format not read yet
+    "HuggingFaceTB-SmolLM3-3B": "generic",  # knows no tools (Unsloth's edit dropped them)
     "Kimi-K2-Instruct": "kimi-k2",
     "Kimi-K2-Thinking": "kimi-k2",
     "Kimi-K3": "generic",  # a format not read yet
@@ -118,18 +125,18 @@ SHIPPED = {
     "deepseek-ai-DeepSeek-V3.2": "deepseek-v3.2",
     "deepseek-ai-DeepSeek-V4-Flash-0731": "deepseek-v4",
     "deepseek-ai-DeepSeek-V4": "deepseek-v4",
-    "fireworks-ai-llama-3-firefunction-v2": "generic",  # a format not read yet
+    "fireworks-ai-llama-3-firefunction-v2": "firefunction-v2",
     "google-gemma-2-2b-it": "generic",  # knows no tools
     "google-gemma-4-31B-it-interleaved": "gemma4",
     "google-gemma-4-31B-it": "gemma4",
-    "ibm-granite-granite-3.3-2B-Instruct": "generic",  # a format not read yet
+    "ibm-granite-granite-3.3-2B-Instruct": "granite",
     "ibm-granite-granite-4.0": "hermes",
     "ibm-granite-granite-4.1": "hermes",
     "inclusionai-ling-3.0-flash": "glm",
     "llama-cpp-deepseek-r1": "deepseek-r1",
     "llama-cpp-rwkv-world": "generic",  # knows no tools
     "meetkai-functionary-medium-v3.1": "functionary-v3.1",
-    "meetkai-functionary-medium-v3.2": "generic",  # a format not read yet
+    "meetkai-functionary-medium-v3.2": "functionary-v3.2",
     "meta-llama-Llama-3.1-8B-Instruct": "llama3",
     "meta-llama-Llama-3.2-3B-Instruct": "llama3",
     "meta-llama-Llama-3.3-70B-Instruct": "llama3",

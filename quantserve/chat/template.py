@@ -92,6 +92,13 @@ def read_template_file(path: str | Path) -> str:
         ) from None
 
 
+def _context() -> dict[str, Any]:
+    """Variables some templates read beyond transformers' own: today's date as `datetime` (llama.cpp passes it
+    too, as "%b %d %Y": common_chat_extra_context in common/chat.cpp), and FireFunction's `functions`, the tools
+    as JSON text, empty unless its tool format sets it (chat.formats.jsonlist.FireFunction)."""
+    return {"datetime": datetime.now().strftime("%b %d %Y"), "functions": ""}
+
+
 class ChatTemplate:
     """Renders OpenAI-style messages into a prompt string, exactly as transformers would (trim_blocks,
     lstrip_blocks, loopcontrols, raise_exception, strftime_now), but sandboxed: templates come from model files."""
@@ -124,7 +131,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                **extra,
+                **{**_context(), **extra},
             )
         except ChatTemplateError:
             raise
@@ -155,7 +162,11 @@ PROBE_TOOL = {
     "function": {
         "name": "probe_tool",
         "description": "Looks something up.",
-        "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}, "required": ["arg"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"arg": {"type": "string", "description": "What to look up."}},
+            "required": ["arg"],
+        },
     },
 }
 PROBE_CALL = {

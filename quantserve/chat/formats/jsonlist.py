@@ -8,6 +8,9 @@
 | Command R7B, Cohere 2 | `<|START_ACTION|>[{"tool_call_id": "0", "tool_name": …, "parameters": {…}}]<|END_ACTION|>` |
 | GigaChat 3.1 | `<|function_call|>{"name": …, "arguments": {…}}` |
 | Apertus | `<|tools_prefix|>[{"NAME": {…}}, …]<|tools_suffix|>` (the name is the key) |
+| Command R+ (tool use) | `Action:\n```json\n[{"tool_name": …, "parameters": {…}}, …]```` |
+| FireFunction v2 | ` functools[{"name": …, "arguments": {…}}, …]` (no closing marker) |
+| Granite 3.3 | `<|tool_call|>[{"name": …, "arguments": {…}}, …]` (no closing marker) |
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from quantserve.structured import Grammar, embeddable, json_rule, lark_text
 
 @dataclass(frozen=True)
 class Shape:
-    """`open`/`close`: the markers around the calls (close "": none). `lines`: one object a line instead of an
-    array. `name`/`args`: the keys of a call's name and arguments (`name` "": the name is the object's only key).
-    `ids`: the key of a call's id, which the grammar writes as a number ("" for none)."""
+    """`open`/`close`: the markers around the calls (close "": none). The calls are an array, or with `lines` one
+    object a line, or with `single` one object. `name`/`args`: the keys of a call's name and arguments (`name` "":
+    the name is the object's only key). `ids`: the key of a call's id, which the grammar writes as a number ("" for
+    none)."""
 
     open: str
     close: str
@@ -34,6 +38,7 @@ class Shape:
     name: str = "name"
     args: str = "arguments"
     ids: str = ""
+    single: bool = False
 
 
 class JsonList(ToolFormat):
@@ -61,7 +66,7 @@ class JsonList(ToolFormat):
             more = '("\\n" call)*' if spec.parallel else ""
             body = f'"\\n" call {more} "\\n"'
             call = f"call: {json_rule(item)}\n"
-        elif not s.close:  # one call, one object (GigaChat's templates take one a turn)
+        elif s.single:  # one call, one object (GigaChat's templates take one a turn)
             body, call = json_rule(item), ""
         else:
             array = {
@@ -159,7 +164,7 @@ class JsonListParser(JsonCallParser):
     @property
     def _array(self) -> bool:
         """The calls are an array (else one object, or one a line)."""
-        return not self.s.lines and bool(self.s.close)
+        return not self.s.lines and not self.s.single
 
     def _keys(self) -> dict[str, Any]:
         return {"name_key": self.s.name, "args_keys": (self.s.args,), "whole": bool(self.s.ids)}
@@ -204,7 +209,7 @@ class CommandR(JsonList):
 class GigaChat(JsonList):
     name = "gigachat"
     priority = 64
-    shape = Shape("<|function_call|>", "")
+    shape = Shape("<|function_call|>", "", single=True)
 
 
 class Apertus(JsonList):
@@ -216,4 +221,61 @@ class Apertus(JsonList):
 class GigaChat3(JsonList):
     name = "gigachat3"
     priority = 66
-    shape = Shape("<|message_sep|>\n\nfunction call<|role_sep|>", "")
+    shape = Shape("<|message_sep|>\n\nfunction call<|role_sep|>", "", single=True)
+
+
+class CommandRPlus(JsonList):
+    """Command R+'s tool-use template; its reply is also asked for a `directly-answer` call when it needs no
+    tool, which is not one of the request's tools, so such a reply reads as text."""
+
+    name = "command-r-plus"
+    priority = 67
+    shape = Shape("Action:\n```json\n", "```", name="tool_name", args="parameters")
+
+    def prepare(self, messages, tools, choice, parallel):
+        """The template writes each parameter's description and fails on one without: those get an empty one."""
+        out, extra = super().prepare(messages, tools, choice, parallel)
+        for tool in extra.get("tools", ()):
+            params = tool["function"]["parameters"]
+            props = params.get("properties") or {}
+            params["properties"] = {k: {"description": "", **v} for k, v in props.items()}
+        return out, extra
+
+
+class FireFunction(JsonList):
+    """FireFunction v2 reads the tools as JSON text in a variable of its own, `functions` (see prepare)."""
+
+    name = "firefunction-v2"
+    priority = 68
+    shape = Shape("functools", "")
+
+    def prepare(self, messages, tools, choice, parallel):
+        out, extra = super().prepare(messages, tools, choice, parallel)
+        if extra:
+            extra["functions"] = json.dumps(extra["tools"], indent=4)
+        return out, extra
+
+
+class Granite(JsonList):
+    """Granite 3.3 describes the tools and the format in its system turn but never writes a call, so it is known
+    by its words (`hints`), and a call of the history goes into the assistant's content as the model wrote it."""
+
+    name = "granite"
+    priority = 69
+    shape = Shape("<|tool_call|>", "")
+    hints = ("<|tool_call|>", "available_tools")
+
+    def prepare(self, messages, tools, choice, parallel):
+        out, extra = super().prepare(messages, tools, choice, parallel)
+        return [_calls_as_text(m, self.shape.open) for m in out], extra
+
+
+def _calls_as_text(message: dict[str, Any], marker: str) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    # the arguments are objects again by now (ToolFormat.prepare)
+    written = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+    content = message.get("content") or ""
+    text = f"{content}{marker}{json.dumps(written, ensure_ascii=False)}"
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
