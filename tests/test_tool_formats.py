@@ -67,18 +67,19 @@ FAMILIES = {
     "fireworks-ai-llama-3-firefunction-v2.jinja": "firefunction-v2",
     "ibm-granite-granite-3.3-2B-Instruct.jinja": "granite",
     "meetkai-functionary-medium-v3.2.jinja": "functionary-v3.2",
+    "Kimi-K3.jinja": "kimi-k3",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<end_of_turn>", "<seed:eos>", "[e~[", "<|calls|>",
     "<｜end▁of▁sentence｜>", "<|user|>", "<|endoftext|>", "<｜hy_eos:opensource｜>", "<|call|>", "<|tool_response>",
     "<SPECIAL_12>", "<|end|>", "<end_of_sentence>", "<|END_OF_TURN_TOKEN|>", "<|message_sep|>", "<|end_of_text|>",
-    "<|START_OF_TURN_TOKEN|>",
+    "<|START_OF_TURN_TOKEN|>", "<|end_of_msg|>",
 )  # fmt: skip
 # what some templates write before the calls (an empty or closed think block): the reply's content
 ONE_CALL = ("llama3", "harmony", "gigachat")  # templates that render one call per assistant turn
 LEAD = re.compile(
-    r"(?s)^(?:.*(?:<[｜|][Aa]ssistant[｜|]>|<\|CHATBOT_TOKEN\|>))?\s*(?:<think>\s*</think>|</think>)?\s*$"
+    r"(?s)^(?:.*(?:<[｜|][Aa]ssistant[｜|]>|<\|CHATBOT_TOKEN\|>))?\s*(?:<think>\s*</think>|</think>|<\|close\|>think<\|sep\|>)?\s*$"
 )  # the turn as the probe cuts it begins at the prompt's end: Command R+ writes its header after a system turn
 
 # Every template llama.cpp ships, and the format it gets (read from the template by probe renders). Before the
@@ -98,7 +99,7 @@ SHIPPED = {
     "HuggingFaceTB-SmolLM3-3B": "generic",  # knows no tools (Unsloth's edit dropped them)
     "Kimi-K2-Instruct": "kimi-k2",
     "Kimi-K2-Thinking": "kimi-k2",
-    "Kimi-K3": "generic",  # a format not read yet
+    "Kimi-K3": "kimi-k3",
     "LFM2-8B-A1B": "lfm2",
     "LFM2.5-8B-A1B": "lfm2",
     "LFM2.5-Instruct": "lfm2",
@@ -415,7 +416,10 @@ PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.ji
           "upstage-Solar-Open-100B.jinja", "tencent-Hy3.jinja", "openbmb-MiniCPM5-1B.jinja", "openai-gpt-oss-120b.jinja",
           "google-gemma-4-31B-it.jinja", "NVIDIA-Nemotron-Nano-v2.jinja", "unsloth-Apriel-1.5.jinja",
           "MiniMax-M1.jinja", "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", "GigaChat3.1-10B-A1.8B.jinja",
-          "Apertus-8B-Instruct.jinja"]  # fmt: skip
+          "Apertus-8B-Instruct.jinja", "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
+          "fireworks-ai-llama-3-firefunction-v2.jinja", "ibm-granite-granite-3.3-2B-Instruct.jinja",
+          "meetkai-functionary-medium-v3.2.jinja", "Kimi-K3.jinja"]  # fmt: skip
+ANSWER_HEAD = {"functionary-v3.2": "all\n"}  # what an answer in words begins with
 
 
 @pytest.mark.parametrize("special_markers", [True, False], ids=["control-markers", "text-markers"])
@@ -429,7 +433,8 @@ def test_every_reply_the_grammar_allows_parses_into_valid_calls(name, special_ma
     trigger = fmt.markers[0] if fmt.markers else ""
     if trigger:  # auto: free text, then once the model opens a call, the call is held to the schema
         marker = [compiler.special[trigger]] if trigger in compiler.special else vocab.tokenize(trigger)
-        cases.append((ToolChoice("auto"), TOOLS, vocab.tokenize("Let me look that up.") + marker))
+        words = ANSWER_HEAD.get(fmt.name, "") + "Let me look that up."
+        cases.append((ToolChoice("auto"), TOOLS, vocab.tokenize(words) + marker))
     for choice, allowed_tools, prefix in cases:
         grammar = fmt.grammar(GrammarSpec(allowed_tools, choice, parallel, None, compiler.special))
         for _ in range(6):

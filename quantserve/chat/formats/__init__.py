@@ -70,6 +70,7 @@ def registered() -> list[type[ToolFormat]]:
         DsmlV32,
         Glm,
         Hunyuan,
+        KimiK3,
         MiniCpm,
         MiniMaxM2,
         Qwen3Coder,
@@ -79,7 +80,7 @@ def registered() -> list[type[ToolFormat]]:
     found = (
         *(Generic, Hermes, Llama3, Mistral),
         *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony, Gemma4, Lfm2, FunctionaryV32),
-        *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm),
+        *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm, KimiK3),
         *(NemotronV2, Apriel, MiniMaxM1, CommandR, GigaChat, GigaChat3, Apertus),
         *(CommandRPlus, FireFunction, Granite),
     )
