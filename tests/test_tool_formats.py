@@ -68,6 +68,7 @@ FAMILIES = {
     "ibm-granite-granite-3.3-2B-Instruct.jinja": "granite",
     "meetkai-functionary-medium-v3.2.jinja": "functionary-v3.2",
     "Kimi-K3.jinja": "kimi-k3",
+    "MiniMax-M3.jinja": "minimax-m3",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
@@ -79,7 +80,7 @@ END_MARKERS = (  # the templates' own, never in generated text (the engine stops
 # what some templates write before the calls (an empty or closed think block): the reply's content
 ONE_CALL = ("llama3", "harmony", "gigachat")  # templates that render one call per assistant turn
 LEAD = re.compile(
-    r"(?s)^(?:.*(?:<[｜|][Aa]ssistant[｜|]>|<\|CHATBOT_TOKEN\|>))?\s*(?:<think>\s*</think>|</think>|<\|close\|>think<\|sep\|>)?\s*$"
+    r"(?s)^(?:.*(?:<[｜|][Aa]ssistant[｜|]>|<\|CHATBOT_TOKEN\|>))?\s*(?:<think>\s*</think>|</think>|<\|close\|>think<\|sep\|>|</mm:think>)?\s*$"
 )  # the turn as the probe cuts it begins at the prompt's end: Command R+ writes its header after a system turn
 
 # Every template llama.cpp ships, and the format it gets (read from the template by probe renders). Before the
@@ -106,7 +107,7 @@ SHIPPED = {
     "MiMo-VL": "hermes",
     "MiniMax-M1": "minimax-m1",
     "MiniMax-M2": "minimax-m2",
-    "MiniMax-M3": "generic",  # a format not read yet
+    "MiniMax-M3": "minimax-m3",
     "Mistral-Small-3.2-24B-Instruct-2506": "mistral",
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": "qwen3-coder",
     "NVIDIA-Nemotron-Nano-v2": "nemotron-v2",
@@ -418,7 +419,7 @@ PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.ji
           "MiniMax-M1.jinja", "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", "GigaChat3.1-10B-A1.8B.jinja",
           "Apertus-8B-Instruct.jinja", "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
           "fireworks-ai-llama-3-firefunction-v2.jinja", "ibm-granite-granite-3.3-2B-Instruct.jinja",
-          "meetkai-functionary-medium-v3.2.jinja", "Kimi-K3.jinja"]  # fmt: skip
+          "meetkai-functionary-medium-v3.2.jinja", "Kimi-K3.jinja", "MiniMax-M3.jinja"]  # fmt: skip
 ANSWER_HEAD = {"functionary-v3.2": "all\n"}  # what an answer in words begins with
 
 
