@@ -69,6 +69,7 @@ FAMILIES = {
     "meetkai-functionary-medium-v3.2.jinja": "functionary-v3.2",
     "Kimi-K3.jinja": "kimi-k3",
     "MiniMax-M3.jinja": "minimax-m3",
+    "muse-glimmer.jinja": "muse-glimmer",
     "google-gemma-2-2b-it.jinja": "generic",  # no tools at all, no system role
 }
 END_MARKERS = (  # the templates' own, never in generated text (the engine stops at them)
@@ -146,7 +147,7 @@ SHIPPED = {
     "mistralai-Ministral-3-14B-Reasoning-2512": "mistral",
     "mistralai-Mistral-Nemo-Instruct-2407": "mistral",
     "moonshotai-Kimi-K2": "kimi-k2",
-    "muse-glimmer": "generic",  # a format not read yet
+    "muse-glimmer": "muse-glimmer",
     "openai-gpt-oss-120b": "harmony",
     "openbmb-MiniCPM5-1B": "minicpm",
     "poolside-Laguna-S-2.1": "glm",
@@ -419,7 +420,8 @@ PROBED = ["Qwen-Qwen2.5-7B-Instruct.jinja", "meta-llama-Llama-3.1-8B-Instruct.ji
           "MiniMax-M1.jinja", "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja", "GigaChat3.1-10B-A1.8B.jinja",
           "Apertus-8B-Instruct.jinja", "CohereForAI-c4ai-command-r-plus-tool_use.jinja",
           "fireworks-ai-llama-3-firefunction-v2.jinja", "ibm-granite-granite-3.3-2B-Instruct.jinja",
-          "meetkai-functionary-medium-v3.2.jinja", "Kimi-K3.jinja", "MiniMax-M3.jinja"]  # fmt: skip
+          "meetkai-functionary-medium-v3.2.jinja", "Kimi-K3.jinja", "MiniMax-M3.jinja",
+          "muse-glimmer.jinja"]  # fmt: skip
 ANSWER_HEAD = {"functionary-v3.2": "all\n"}  # what an answer in words begins with
 
 

@@ -65,6 +65,7 @@ def registered() -> list[type[ToolFormat]]:
     from quantserve.chat.formats.marked import DeepSeekR1, DeepSeekV31, FunctionaryV31, KimiK2, Solar
     from quantserve.chat.formats.minimax3 import MiniMaxM3
     from quantserve.chat.formats.mistral import Mistral
+    from quantserve.chat.formats.muse import MuseGlimmer
     from quantserve.chat.formats.recipient import FunctionaryV32
     from quantserve.chat.formats.xmlcalls import (
         DsmlV4,
@@ -80,7 +81,18 @@ def registered() -> list[type[ToolFormat]]:
 
     found = (
         *(Generic, Hermes, Llama3, Mistral),
-        *(DeepSeekV31, DeepSeekR1, KimiK2, FunctionaryV31, Solar, Harmony, Gemma4, Lfm2, FunctionaryV32),
+        *(
+            DeepSeekV31,
+            DeepSeekR1,
+            KimiK2,
+            FunctionaryV31,
+            Solar,
+            Harmony,
+            Gemma4,
+            Lfm2,
+            FunctionaryV32,
+            MuseGlimmer,
+        ),
         *(Qwen3Coder, SeedOss, MiniMaxM2, Glm, DsmlV32, DsmlV4, Hunyuan, MiniCpm, KimiK3, MiniMaxM3),
         *(NemotronV2, Apriel, MiniMaxM1, CommandR, GigaChat, GigaChat3, Apertus),
         *(CommandRPlus, FireFunction, Granite),

@@ -88,7 +88,7 @@ class Tagged(ToolFormat):
         t = self.tags
         pad = "/\\n?/" if t.pad else ""  # the newline between parts, which a model may leave out
         calls = " | ".join(f"c{i}" for i in range(len(spec.tools)))
-        rules = [_tool_rules(t, i, tool, spec, pad) for i, tool in enumerate(spec.tools)]
+        rules = [tool_rules(t, i, tool, spec, pad) for i, tool in enumerate(spec.tools)]
         more = f"({pad} call)*" if spec.parallel else ""
         rules.append(f"call: {calls}")
         if t.section is not None:
@@ -115,7 +115,7 @@ class Tagged(ToolFormat):
         return TaggedParser(self.new_id, frozenset(schemas), self.tags, schemas)
 
 
-def _tool_rules(t: Tags, i: int, tool: Tool, spec: GrammarSpec, pad: str) -> str:
+def tool_rules(t: Tags, i: int, tool: Tool, spec: GrammarSpec, pad: str) -> str:
     """c{i}: a whole call of `tool`; t{i}: the same after its start (what a trigger on the start leaves)."""
     params = tool.parameters
     props: dict[str, Any] = params.get("properties") or {}
