@@ -233,7 +233,7 @@ class LLM:
         """
         thinking = self.reasoning_format
         special = self.guides.special if request.calls_tools or thinking is not None else {}
-        fmt = self._format if request.needs_format else None
+        fmt = self._format if request.needs_format or self._format.frames else None
         prompt = build_prompt(self._template(), fmt, request, special, thinking)
         tokens = self.tokenize_prompt(prompt.text, chat=True)
         if self.vision is None:

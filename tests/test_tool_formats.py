@@ -522,3 +522,27 @@ def test_prefill_is_continued_and_held_to_the_grammar():
     events = asm.feed('{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')
     assert events[0] == CallDelta(0, id=events[0].id, name="get_time")
     assert asm.finish("stop")[1].tool_calls[0].arguments == '{"tz": "UTC"}'
+
+
+@pytest.mark.parametrize(
+    ("name", "reply"),
+    [
+        ("muse-glimmer.jinja", " to=user<|message|>Hello, world!"),
+        ("meetkai-functionary-medium-v3.2.jinja", "all\nHello, world!"),
+        (
+            "Kimi-K3.jinja",
+            "<|open|>response<|sep|>Hello, world!<|close|>response<|sep|><|close|>message<|sep|>",
+        ),
+    ],
+)
+def test_a_framed_answer_to_a_request_without_tools_loses_its_frame(name, reply):
+    """Formats that address every message (a recipient, a response section) frame plain answers too: their
+    parser reads a reply even when the request has no tools, and the answer comes back bare."""
+    t = template(name)
+    prompt = build_prompt(t, tool_format(t), ChatRequest([{"role": "user", "content": "hi"}]), {}, None)
+    assert prompt.format is not None and not prompt.skip_special_tokens
+    asm = prompt.assembler()
+    for ch in reply:
+        asm.feed(ch)
+    _, answer = asm.finish("stop")
+    assert (answer.content, answer.tool_calls, answer.finish_reason) == ("Hello, world!", (), "stop")

@@ -174,7 +174,7 @@ def build_prompt(
     return ChatPrompt(
         text,
         grammar,
-        fmt if req.calls_tools else None,
+        fmt if req.calls_tools or (fmt is not None and fmt.frames) else None,
         req,
         prefill,
         reasoning=thinking if thinks else None,

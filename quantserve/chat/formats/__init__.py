@@ -127,6 +127,9 @@ class ToolFormat(ABC):
     priority: ClassVar[int]  # detection order, lowest first
     native: ClassVar[bool] = True  # the template itself describes the tools and renders calls and results
     hints: ClassVar[tuple[str, ...]] = ()  # texts only this family's templates hold (see detect)
+    # every reply is framed by the format, calls or not (a recipient, a response section): its parser reads the
+    # replies to requests without tools too, to take the frame off the answer
+    frames: ClassVar[bool] = False
 
     def __init__(self, probe: TemplateProbe):
         self.probe = probe

@@ -29,6 +29,7 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 class Harmony(ToolFormat):
     name = "harmony"
     priority = 45
+    frames = True
     markers = (CALL_HEAD, START)
 
     def grammar(self, spec: GrammarSpec) -> Grammar:

@@ -30,7 +30,7 @@ class Shape:
     """`open`/`close`: the markers around the calls (close "": none). The calls are an array, or with `lines` one
     object a line, or with `single` one object. `name`/`args`: the keys of a call's name and arguments (`name` "":
     the name is the object's only key). `ids`: the key of a call's id, which the grammar writes as a number ("" for
-    none)."""
+    none). `dropped`: markers around the answer, dropped from its text (Command R7B's response section)."""
 
     open: str
     close: str
@@ -39,6 +39,7 @@ class Shape:
     args: str = "arguments"
     ids: str = ""
     single: bool = False
+    dropped: tuple[str, ...] = ()
 
 
 class JsonList(ToolFormat):
@@ -95,10 +96,13 @@ class JsonListParser(JsonCallParser):
         s = self.s
         while True:
             if self.state == "text":
-                events, found = self._text_until(s.open, final)
+                events, marker = self._text_until_any((s.open, *s.dropped), final)
                 out += events
-                if not found:
+                if marker is None:
                     return out
+                self.cur += len(marker)
+                if marker in s.dropped:
+                    continue
                 self.state = "value"
             if self.state == "value":  # an array, or (lines) the next object, or the close
                 rest = self.text[self.cur :].lstrip()
@@ -201,8 +205,14 @@ class MiniMaxM1(JsonList):
 class CommandR(JsonList):
     name = "command-r"
     priority = 63
+    frames = True
     shape = Shape(
-        "<|START_ACTION|>", "<|END_ACTION|>", name="tool_name", args="parameters", ids="tool_call_id"
+        "<|START_ACTION|>",
+        "<|END_ACTION|>",
+        name="tool_name",
+        args="parameters",
+        ids="tool_call_id",
+        dropped=("<|START_RESPONSE|>", "<|END_RESPONSE|>"),
     )
 
 

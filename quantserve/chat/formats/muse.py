@@ -42,6 +42,7 @@ ATEM = tags_of(
 class MuseGlimmer(ToolFormat):
     name = "muse-glimmer"
     priority = 49
+    frames = True
 
     def grammar(self, spec: GrammarSpec) -> Grammar:
         """A call is a message of its own: ` to=NAME<|message|>` and one invoke; a further one follows `<|eom|>`,

@@ -22,6 +22,7 @@ class FunctionaryV32(ToolFormat):
     name = "functionary-v3.2"
     priority = 48
     markers = (NEXT,)
+    frames = True
 
     def grammar(self, spec: GrammarSpec) -> Grammar:
         tools = " | ".join(f'{lark_literal(t.name)} "\\n" {json_rule(t.parameters)}' for t in spec.tools)

@@ -140,6 +140,7 @@ class MiniCpm(Tagged):
 class KimiK3(Tagged):
     name = "kimi-k3"
     priority = 58
+    frames = True
     tags = tags_of(
         ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>"),
         "<|open|>call tool=",
