@@ -104,10 +104,6 @@ REASONING = {
 DIVERGES = {
     2831: "reasoning_format none: llama.cpp still drops the answer's wrapper markers",
     2883: "reasoning_format none: llama.cpp still drops the answer's wrapper markers",
-    3155: "Gemma 4: llama.cpp drops stray <channel|> markers after the answer",
-    3161: "Gemma 4: llama.cpp drops a stray empty thought block after the answer",
-    3167: "Gemma 4: llama.cpp drops a stray empty thought block after the answer",
-    3173: "Gemma 4: llama.cpp drops a doubled <|channel> marker",
     6211: "Apriel 1.6: llama.cpp keeps the prompt's 'Here are my reasoning steps:' in the reasoning",
     6442: "reasoning_format none: llama.cpp still drops harmony's final-channel header",
     6567: "gpt-oss: llama.cpp skips a malformed commentary header before the analysis",

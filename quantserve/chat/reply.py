@@ -203,9 +203,11 @@ class ReplyParser(ABC):
     def _text_until_any(self, markers: tuple[str, ...], final: bool) -> tuple[list[Event], str | None]:
         """The text from self.cur up to the first of `markers`, as content, and that marker (self.cur is then at
         it), or None while none has come (the text that may begin one is held back)."""
-        hits = [(k, m) for m in markers if (k := self.text.find(m, self.cur)) != -1]
+        hits = [(k, -len(m), m) for m in markers if (k := self.text.find(m, self.cur)) != -1]
         if hits:
-            end, found = min(hits)
+            end, _, found = min(hits)  # the first, and of those that start there the longest
+            if not final and any(len(m) > len(found) and m.startswith(self.text[end:]) for m in markers):
+                found = None  # a longer marker that begins with this one may still come
         else:
             end, found = len(self.text) - (0 if final else holdback(self.text[self.cur :], markers)), None
         events = self.content.add(self.text[self.cur : end])

@@ -21,6 +21,9 @@ from quantserve.chat.reply import Event, ReplyParser, WholeCall
 from quantserve.structured import Grammar, lark_literal, lark_text
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+# channel markers astray in an answer (a doubled opening, an empty thought block after the answer): dropped from
+# it, as llama.cpp drops them (tests/test-chat.cpp)
+STRAY = ("<|channel>thought\n<channel|>", "<|channel>", "<channel|>")
 _NAME = re.compile(r"call:([^{\s<]+)\{")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _NUMBER_SO_FAR = re.compile(r"-?\d*(?:\.\d*)?(?:[eE][+-]?\d*)?")
@@ -90,6 +93,7 @@ class Gemma4(ToolFormat):
     name = "gemma4"
     priority = 46
     markers = (OPEN,)
+    frames = True  # for the stray markers
 
     def grammar(self, spec: GrammarSpec) -> Grammar:
         q = lark_text(QUOTE, spec.special)
@@ -197,10 +201,13 @@ class Gemma4Parser(ReplyParser):
         out: list[Event] = []
         while True:
             if self.state == "text":
-                events, found = self._text_until(OPEN, final)
+                events, marker = self._text_until_any((OPEN, *STRAY), final)
                 out += events
-                if not found:
+                if marker is None:
                     return out
+                self.cur += len(marker)
+                if marker in STRAY:
+                    continue
                 self.state = "name"
             if self.state == "name":
                 m = _NAME.match(self.text, self.cur)
