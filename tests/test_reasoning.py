@@ -106,8 +106,7 @@ DIVERGES = {
     2883: "reasoning_format none: llama.cpp still drops the answer's wrapper markers",
     6211: "Apriel 1.6: llama.cpp keeps the prompt's 'Here are my reasoning steps:' in the reasoning",
     6442: "reasoning_format none: llama.cpp still drops harmony's final-channel header",
-    6567: "gpt-oss: llama.cpp skips a malformed commentary header before the analysis",
-    6575: "gpt-oss: llama.cpp skips a malformed commentary header before the final channel",
+    6567: "gpt-oss: llama.cpp skips a malformed commentary header before the analysis, and keeps the analysis",
 }
 
 

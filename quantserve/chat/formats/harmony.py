@@ -89,8 +89,10 @@ class HarmonyParser(JsonCallParser):
                     return out
                 header = self.text[self.cur : k]
                 self.cur = k + len(MESSAGE)
-                recipient = _RECIPIENT.search(header)
-                channel = _CHANNEL.search(header)
+                # a header written twice over (`commentary to=assistant<|channel|>final`, which llama.cpp reads as
+                # its last channel): the last channel counts, and the assistant is no recipient
+                recipient = next((m for m in _RECIPIENT.finditer(header) if m.group(1) != "assistant"), None)
+                channel = ([None, *_CHANNEL.finditer(header)])[-1]
                 if recipient is not None and recipient.group(1).startswith("functions."):
                     name = recipient.group(1).removeprefix("functions.")
                     self._call(self._scan(self.cur), (), name=name)
