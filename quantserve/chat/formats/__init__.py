@@ -111,7 +111,7 @@ def detect(probe: TemplateProbe, source: str = "", origin: str = "the template")
     for cls in registered():
         if cls.hints and all(h in source for h in cls.hints):
             return cls(probe)
-    if probe.turn is not None or "tool" in source:
+    if probe.turn is not None or "tools" in source or "tool_call" in source:  # not a mere `tool` role
         log.warning(
             "%s writes tool calls in a way quantserve does not read; requests with tools get the generic JSON "
             "format (the tools described in the system turn)",
