@@ -64,17 +64,21 @@ def _defs(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema.get("definitions", {}), **schema.get("$defs", {})}
 
 
-def _resolved(schema: Any, defs: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
-        return _resolved(defs.get(schema["$ref"].rsplit("/", 1)[-1], {}), defs)
-    return schema if isinstance(schema, dict) else {}
+def _resolved(schema: Any, defs: dict[str, Any], hops: int = 0) -> dict[str, Any]:
+    if isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and hops < DEPTH:
+        return _resolved(defs.get(schema["$ref"].rsplit("/", 1)[-1], {}), defs, hops + 1)
+    return schema if isinstance(schema, dict) and "$ref" not in schema else {}
 
 
-def _alternatives(schema: Any, defs: dict[str, Any]) -> list[dict[str, Any]]:
+def _alternatives(schema: Any, defs: dict[str, Any], depth: int = 0) -> list[dict[str, Any]]:
+    """The schemas a value may follow (anyOf/oneOf flattened, `$ref`s resolved; a schema that refers back to
+    itself without end is any value)."""
     s = _resolved(schema, defs)
     alts = s.get("anyOf") or s.get("oneOf")
+    if alts and depth < DEPTH:
+        return [a for alt in alts for a in _alternatives(alt, defs, depth + 1)]
     if alts:
-        return [a for alt in alts for a in _alternatives(alt, defs)]
+        return [{}]
     kinds = s.get("type")
     if isinstance(kinds, list):
         return [{**s, "type": k} for k in kinds]
