@@ -62,6 +62,7 @@ FAMILIES = {
     "MiniMax-M1.jinja": "minimax-m1",
     "CohereForAI-c4ai-command-r7b-12-2024-tool_use.jinja": "command-r",
     "GigaChat3.1-10B-A1.8B.jinja": "gigachat",
+    "GigaChat3-10B-A1.8B.jinja": "gigachat3",
     "Apertus-8B-Instruct.jinja": "apertus",
     "CohereForAI-c4ai-command-r-plus-tool_use.jinja": "command-r-plus",
     "fireworks-ai-llama-3-firefunction-v2.jinja": "firefunction-v2",
@@ -79,7 +80,7 @@ END_MARKERS = (  # the templates' own, never in generated text (the engine stops
     "<|START_OF_TURN_TOKEN|>", "<|end_of_msg|>",
 )  # fmt: skip
 # what some templates write before the calls (an empty or closed think block): the reply's content
-ONE_CALL = ("llama3", "harmony", "gigachat")  # templates that render one call per assistant turn
+ONE_CALL = ("llama3", "harmony", "gigachat", "gigachat3")  # templates that render one call per assistant turn
 LEAD = re.compile(
     r"(?s)^(?:.*(?:<[｜|][Aa]ssistant[｜|]>|<\|CHATBOT_TOKEN\|>))?\s*(?:<think>\s*</think>|</think>|<\|close\|>think<\|sep\|>|</mm:think>)?\s*$"
 )  # the turn as the probe cuts it begins at the prompt's end: Command R+ writes its header after a system turn
@@ -322,6 +323,18 @@ def test_a_reply_cut_by_max_tokens_keeps_the_complete_calls(name):
             assert sent == set(range(len(want)))
             args = "".join(e.arguments for e in events if isinstance(e, CallDelta))
             assert args == "".join(c.arguments for c in reply.tool_calls)
+
+
+def test_an_lfm2_reply_cut_by_max_tokens_keeps_the_complete_calls():
+    """LFM2's templates never write a call (the FAMILIES tests render one), so its cut reply is written here."""
+    fmt = tool_format(template("LFM2-8B-A1B.jinja"))
+    reply = '<|tool_call_start|>[get_weather(city="Paris", days=2), get_time(tz="C'
+    for pieces in ([reply], list(reply)):
+        events, cut = assemble(fmt, pieces, "length")
+        assert calls_of(cut) == CALLS[:1] and cut.finish_reason == "length" and not cut.content
+        assert {e.index for e in events if isinstance(e, CallDelta)} == {0}
+    _, whole = assemble(fmt, [reply + 'ET")]<|tool_call_end|>'])
+    assert calls_of(whole) == CALLS and whole.finish_reason == "tool_calls"
 
 
 def test_generic_format_prompt_describes_the_tools_and_rewrites_the_history():
