@@ -32,10 +32,19 @@ def _encode(chunk: np.ndarray, dtype: str) -> np.ndarray:
     return chunk.astype(np.float16 if dtype == "fp16" else np.float32, copy=False)
 
 
-def _plan(info: GGUFInfo, spec: ArchSpec, dtype: str) -> list[tuple[GGUFTensorInfo, PlannedTensor]]:
-    plan = []
+def _plan(
+    info: GGUFInfo, spec: ArchSpec, dtype: str
+) -> list[tuple[GGUFTensorInfo, PlannedTensor, int | None]]:
+    """Each HF tensor with the GGUF tensor it comes from, and for an expert its index in that stacked tensor."""
+    plan: list[tuple[GGUFTensorInfo, PlannedTensor, int | None]] = []
     for t in info.tensors:
         if t.name in _SKIP:
+            continue
+        if spec.hf_expert_name(t.name, 0) is not None:  # every expert of a layer, stacked: one HF tensor each
+            shape = tuple(reversed(t.shape[:-1]))
+            for e in range(t.shape[-1]):
+                name = spec.hf_expert_name(t.name, e)
+                plan.append((t, PlannedTensor(name, _ST_DTYPES[dtype], shape), e))  # type: ignore[arg-type]
             continue
         name = spec.hf_name(t.name)
         if name is None:
@@ -43,7 +52,7 @@ def _plan(info: GGUFInfo, spec: ArchSpec, dtype: str) -> list[tuple[GGUFTensorIn
                 f"{info.path.name}: tensor '{t.name}' has no HF {spec.hf_architecture} equivalent; this GGUF "
                 "variant of the architecture is not supported"
             )
-        plan.append((t, PlannedTensor(name, _ST_DTYPES[dtype], tuple(reversed(t.shape)))))
+        plan.append((t, PlannedTensor(name, _ST_DTYPES[dtype], tuple(reversed(t.shape))), None))
     return plan
 
 
@@ -61,9 +70,12 @@ def _row_order(t: GGUFTensorInfo, spec: ArchSpec, info: GGUFInfo) -> np.ndarray 
 
 
 def _tensor_chunks(
-    reader: GGUFTensorReader, t: GGUFTensorInfo, spec: ArchSpec, dtype: str
+    reader: GGUFTensorReader, t: GGUFTensorInfo, spec: ArchSpec, dtype: str, expert: int | None
 ) -> Iterator[np.ndarray]:
-    for chunk in reader.chunks(t, _row_order(t, spec, reader.info)):
+    rows = _row_order(t, spec, reader.info)
+    if expert is not None:  # one expert's rows of the stacked tensor
+        rows = np.arange(expert * t.shape[1], (expert + 1) * t.shape[1])
+    for chunk in reader.chunks(t, rows):
         yield _encode(chunk, dtype)
 
 
@@ -71,7 +83,7 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
     """Convert a GGUF file into an HF checkpoint directory that transformers loads.
 
     Args:
-        src: a .gguf file (llama, mistral-as-llama, qwen2 or qwen3; not split).
+        src: a .gguf file (llama, mistral-as-llama, qwen2, qwen3 or qwen3moe; not split).
         dst: the directory to create.
         dtype: "bf16", "fp16" or "fp32" for the safetensors weights.
         progress: show a tqdm bar per tensor.
@@ -99,7 +111,7 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
     config = hf_config(info, spec, dtype, rope_freqs)
     tokenizer = tokenizer_from_gguf(info.metadata, model_max_length=config["max_position_embeddings"])
     plan = _plan(info, spec, dtype)
-    ensure_free_space(dst.parent, sum(p.n_bytes for _, p in plan), f"converting {src.name}")
+    ensure_free_space(dst.parent, sum(p.n_bytes for _, p, _ in plan), f"converting {src.name}")
     log.info(
         "converting %s (%s, %s) to %s at %s",
         src.name,
@@ -109,9 +121,9 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
         dst,
     )
     with staged_output(dst, directory=True, force=force) as tmp:
-        with SafetensorsWriter(tmp, [p for _, p in plan]) as writer:
-            for t, planned in tqdm(plan, desc="dequantize", unit="tensor", disable=not progress):
-                writer.write(planned.name, _tensor_chunks(reader, t, spec, dtype))
+        with SafetensorsWriter(tmp, [p for _, p, _ in plan]) as writer:
+            for t, planned, expert in tqdm(plan, desc="dequantize", unit="tensor", disable=not progress):
+                writer.write(planned.name, _tensor_chunks(reader, t, spec, dtype, expert))
         for name, obj in (
             ("config.json", config),
             ("generation_config.json", generation_config(info.metadata, config)),

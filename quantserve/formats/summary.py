@@ -28,6 +28,7 @@ class ModelSummary:
     files: tuple[Path, ...]
     context_length: int | None  # the context it was trained for
     quant: dict[str, Any]  # spec.quant
+    experts: str | None = None  # a mixture of experts' routing, in words (None: a dense model)
 
 
 def _types_by_class(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -59,7 +60,46 @@ def _summarize_gguf(spec: ModelSpec) -> dict[str, Any]:
         "n_bytes": sum(t.n_bytes for t in tensors),
         "quant_types": _types_by_class((_gguf_class(t.name), t.type_name) for t in tensors),
         "context_length": infos[0].context_length,
+        "experts": _gguf_experts(infos[0].metadata, infos[0].architecture),
     }
+
+
+def _gguf_experts(md: dict[str, Any], arch: str | None) -> tuple[int, int, int, int, int] | None:
+    keys = (
+        "expert_count",
+        "expert_used_count",
+        "embedding_length",
+        "expert_feed_forward_length",
+        "block_count",
+    )
+    values = [md.get(f"{arch}.{k}") for k in keys]
+    return tuple(values) if all(isinstance(v, int) for v in values) else None  # type: ignore[return-value]
+
+
+def _hf_experts(config: dict[str, Any]) -> tuple[int, int, int, int, int] | None:
+    n = config.get("num_local_experts") or config.get("num_experts")
+    ff = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    values = [
+        n,
+        config.get("num_experts_per_tok"),
+        config.get("hidden_size"),
+        ff,
+        config.get("num_hidden_layers"),
+    ]
+    return tuple(values) if all(isinstance(v, int) for v in values) else None  # type: ignore[return-value]
+
+
+def _experts_line(facts: tuple[int, int, int, int, int] | None, n_params: int) -> str | None:
+    """'4 experts, 2 routed per token: 15.7M of 26.2M parameters active' (a gated MLP is 3 matrices)."""
+    if facts is None:
+        return None
+    n, used, hidden, ff, layers = facts
+    active = n_params - layers * (n - used) * 3 * hidden * ff
+    step = ("", "K", "M", "B", "T")
+    return (
+        f"{n} experts, {used} routed per token: {_count(active, step, 1000)} of {_count(n_params, step, 1000)} "
+        "parameters active"
+    )
 
 
 # Tensors that hold a quantized linear's packed weights, and those that only describe them.
@@ -114,6 +154,7 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
         "n_bytes": sum(t.n_bytes for t in tensors),
         "quant_types": _types_by_class(classes),
         "context_length": ctx,
+        "experts": _hf_experts({**config, **text}),
     }
 
 
@@ -138,6 +179,7 @@ def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
         files=spec.files,
         context_length=facts["context_length"],
         quant=dict(spec.quant),
+        experts=_experts_line(facts["experts"], n_params),
     )
 
 
@@ -165,6 +207,7 @@ def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = (
         ("trained context", [str(s.context_length) if s.context_length else "unknown"]),
         ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
+        *([("experts", [s.experts])] if s.experts else []),
         *extra,
     ]
     width = max(len(k) for k, _ in rows) + 2

@@ -88,10 +88,15 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
         writer.add_rope_freq_base(rope["rope_theta"])
     if (eps := _find(hp, "rms_norm_eps", "norm_eps")) is not None:
         writer.add_layer_norm_rms_eps(eps)
+    if (n_experts := _find(hp, "num_local_experts", "num_experts", "n_routed_experts")) is not None:
+        writer.add_expert_count(n_experts)
+    if (n_used := _find(hp, "num_experts_per_tok", "num_experts_per_token", "top_k_experts")) is not None:
+        writer.add_expert_used_count(n_used)
     if (head_dim := hp.get("head_dim")) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_file_type(ftype)
+    spec.params_extra(writer, hp)
     if spec.llama_kv:
         writer.add_vocab_size(hp["vocab_size"])
         writer.add_rope_dimension_count(head_dim or hp["hidden_size"] // hp["num_attention_heads"])

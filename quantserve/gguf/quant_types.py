@@ -69,8 +69,13 @@ def parse_quant(text: str) -> QuantTarget:
 
 
 def keeps_f32(name: str, n_dims: int) -> bool:
-    """Norms, biases and other vectors stay F32 in every file type (convert_hf_to_gguf.py prepare_tensors)."""
-    return n_dims <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight")
+    """Norms, biases, other vectors and MoE routers stay F32 in every file type (convert_hf_to_gguf.py
+    prepare_tensors)."""
+    return (
+        n_dims <= 1
+        or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight"))
+        or not name.endswith(".weight")
+    )
 
 
 def direct_tensor_type(name: str, ne: tuple[int, ...], target: QuantTarget, tied_embeddings: bool) -> T:

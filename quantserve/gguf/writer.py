@@ -8,7 +8,7 @@ sections, then `write_tensor_data` per tensor. Peak memory is the largest tensor
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +67,12 @@ def plan_tensors(
     out: list[OutTensor] = []
     if (freqs := llama3_rope_freqs(hp)) is not None:
         out.append(OutTensor("rope_freqs.weight", freqs.shape, T.F32, lambda: freqs))
+    experts = _Experts(spec, source, hp, target, tied)
     for hf_name, t in source.tensors.items():
         if hf_name.endswith(_IGNORED) or hf_name not in text:
+            continue
+        if (stacked := experts.add(text[hf_name], hf_name)) is not None:
+            out += stacked
             continue
         name = spec.gguf_name(text[hf_name])
         if name is None:
@@ -85,7 +89,65 @@ def plan_tensors(
         out.append(
             OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), _loader(source, hf_name, heads))
         )
+    experts.check_complete()
     return out
+
+
+class _Experts:
+    """Gathers each layer's expert tensors and, once the layer's last one is read, plans the tensors that stack
+    them (where convert_hf_to_gguf.py writes them: at the layer's last expert tensor, in ArchSpec.experts order)."""
+
+    def __init__(
+        self, spec: ArchSpec, source: SafetensorsSource, hp: dict[str, Any], target: QuantTarget, tied
+    ):
+        self.spec, self.source, self.target, self.tied = spec, source, target, tied
+        self.count = hp.get("num_local_experts") or hp.get("num_experts") or 0
+        self.layers: dict[int, dict[tuple[str, int], str]] = {}
+
+    def add(self, name: str, hf_name: str) -> list[OutTensor] | None:
+        """None for a tensor that is no expert's; else the stacked tensors now complete (maybe none yet)."""
+        found = self.spec.expert_of(name)
+        if found is None:
+            return None
+        layer, expert, gguf_name = found
+        if expert >= self.count:
+            raise UnsupportedFormatError(
+                f"tensor '{hf_name}' is expert {expert}, but config.json has {self.count} experts "
+                "(num_experts / num_local_experts); the checkpoint and its config disagree"
+            )
+        got = self.layers.setdefault(layer, {})
+        got[(gguf_name, expert)] = hf_name
+        if len(got) < self.count * len(self.spec.experts):
+            return []
+        del self.layers[layer]
+        out = []
+        for _, suffix in self.spec.experts:
+            stacked = f"blk.{layer}.{suffix}"
+            names = [got[(stacked, e)] for e in range(self.count)]
+            shape = self.source.tensors[names[0]].shape
+            if any(self.source.tensors[n].shape != shape for n in names):
+                raise UnsupportedFormatError(
+                    f"the experts of '{stacked}' differ in shape; they cannot be stacked"
+                )
+            ne = (*reversed(shape), self.count)
+            qtype = direct_tensor_type(stacked, ne, self.target, self.tied)
+            out.append(OutTensor(stacked, ne, qtype, self._stack(names)))
+        return out
+
+    def _stack(self, names: list[str]) -> Callable[[], np.ndarray]:
+        return lambda: np.stack([self.source.read(n) for n in names])
+
+    def check_complete(self) -> None:
+        """Raises UnsupportedFormatError naming the first expert tensor a layer lacks."""
+        for layer, got in self.layers.items():
+            for _, suffix in self.spec.experts:
+                for e in range(self.count):
+                    if (f"blk.{layer}.{suffix}", e) not in got:
+                        hf = {g: h for h, g in self.spec.experts}[suffix]
+                        raise UnsupportedFormatError(
+                            f"the checkpoint lacks 'model.layers.{layer}.mlp.experts.{e}.{hf}' ({self.count} "
+                            "experts in config.json); it is incomplete or its config is wrong"
+                        )
 
 
 def _encode(x: np.ndarray, qtype: T) -> np.ndarray:
@@ -135,6 +197,8 @@ def write_gguf(
     _metadata(writer, model_dir).set_gguf_meta_model(writer)
     add_arch_params(writer, spec, hp, int(target.ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if not spec.llama_kv:  # only LlamaModel.set_vocab writes tokenizer_config's add_prefix_space
+        vocab = replace(vocab, add_space_prefix=None)
     vocab.add_to(writer)
     bos_key = gguf.Keys.Tokenizer.ADD_BOS
     if (

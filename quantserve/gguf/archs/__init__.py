@@ -34,6 +34,14 @@ DENSE_LAYER = (
     ("mlp.up_proj.weight", "ffn_up.weight"),
     ("mlp.down_proj.weight", "ffn_down.weight"),
 )
+# A mixture-of-experts layer: the router, and each expert's MLP, which llama.cpp stacks over the experts into one
+# 3-D tensor per projection (convert_hf_to_gguf.py Qwen2MoeModel.modify_tensors), in this order.
+ROUTER = (("mlp.gate.weight", "ffn_gate_inp.weight"),)
+EXPERTS = (
+    ("down_proj.weight", "ffn_down_exps.weight"),
+    ("gate_proj.weight", "ffn_gate_exps.weight"),
+    ("up_proj.weight", "ffn_up_exps.weight"),
+)
 QKV_BIAS = (
     ("self_attn.q_proj.bias", "attn_q.bias"),
     ("self_attn.k_proj.bias", "attn_k.bias"),
@@ -46,13 +54,20 @@ _MULTIMODAL_PREFIXES = (
 )  # fmt: skip
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(.+)$")
 
 # (the common config.json fields, the GGUF tensor names) -> this arch's own config.json fields
 ConfigExtra = Callable[[Mapping[str, Any], frozenset[str]], dict[str, Any]]
+# (the GGUF writer, the normalised config.json) -> writes this arch's own keys after the common ones
+ParamsExtra = Callable[[Any, Mapping[str, Any]], None]
 
 
 def _no_extra(config: Mapping[str, Any], tensor_names: frozenset[str]) -> dict[str, Any]:
     return {}
+
+
+def _no_params(writer: Any, hp: Mapping[str, Any]) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -65,8 +80,12 @@ class ArchSpec:
         is written by GGUF→HF.
     permute_qk: llama.cpp's `undo_permute` (docs/gguf.md, "Q/K permutation"): q/k rows are interleaved in
         the GGUF.
-    llama_kv: also write `{arch}.vocab_size` and `rope.dimension_count`, as llama.cpp's LlamaModel does.
+    llama_kv: also write `{arch}.vocab_size` and `rope.dimension_count`, and tokenizer_config.json's
+        `add_prefix_space`, as llama.cpp's LlamaModel does (and no other).
     torch: the torch backend's Transformer runs every model type of it (backends/torch/model.py).
+    experts: per-expert HF suffix (`model.layers.N.mlp.experts.E.` + suffix) <-> the GGUF suffix of the tensor
+        that stacks every expert of layer N; empty for a dense arch.
+    params_extra: writes the arch's own keys after the common ones (`{arch}.expert_feed_forward_length`).
     """
 
     gguf_arch: str
@@ -77,6 +96,8 @@ class ArchSpec:
     llama_kv: bool = False
     config_extra: ConfigExtra = field(default=_no_extra)
     torch: bool = False
+    experts: tuple[tuple[str, str], ...] = ()
+    params_extra: ParamsExtra = field(default=_no_params)
 
     @property
     def hf_architecture(self) -> str:
@@ -95,6 +116,18 @@ class ArchSpec:
             return f"model.layers.{m.group(1)}.{back}" if back else None
         return {g: h for h, g in GLOBAL_TENSORS}.get(gguf_name)
 
+    def expert_of(self, hf_name: str) -> tuple[int, int, str] | None:
+        """(layer, expert, the stacked tensor's GGUF name) of one expert's HF tensor; None for any other."""
+        m = _HF_EXPERT.match(hf_name)
+        to = dict(self.experts).get(m.group(3)) if m else None
+        return (int(m.group(1)), int(m.group(2)), f"blk.{m.group(1)}.{to}") if m and to else None
+
+    def hf_expert_name(self, gguf_name: str, expert: int) -> str | None:
+        """The HF name of one expert's slice of a stacked GGUF tensor; None if `gguf_name` stacks no experts."""
+        m = _GGUF_LAYER.match(gguf_name)
+        back = {g: h for h, g in self.experts}.get(m.group(2)) if m else None
+        return f"model.layers.{m.group(1)}.mlp.experts.{expert}.{back}" if m and back else None
+
 
 def language_model_name(hf_name: str) -> str | None:
     """The text-model name of a checkpoint tensor; None for a LLaVA's vision tower and projector.
@@ -112,9 +145,9 @@ def language_model_name(hf_name: str) -> str | None:
 def archs() -> dict[str, ArchSpec]:
     """Every architecture by GGUF name, each module imported on the first call."""
     from quantserve.gguf.archs.llama import LLAMA
-    from quantserve.gguf.archs.qwen import QWEN2, QWEN3
+    from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_MOE
 
-    return {spec.gguf_arch: spec for spec in (LLAMA, QWEN2, QWEN3)}
+    return {spec.gguf_arch: spec for spec in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
 
 
 def torch_architectures() -> dict[str, str]:
