@@ -1,6 +1,6 @@
-"""HF <-> GGUF for a mixture-of-experts model (Qwen3-MoE), on a tiny random-weight checkpoint: the GGUF equals what
-llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist) writes, key for key and byte for byte, with
-each layer's experts stacked; llama.cpp runs it as transformers does; GGUF -> HF gives the checkpoint back."""
+"""HF <-> GGUF for the mixture-of-experts families (Qwen3-MoE, Mixtral), on tiny random-weight checkpoints: the GGUF
+equals what llama.cpp's own convert_hf_to_gguf.py (from the llama-cpp-python sdist) writes, key for key and byte for
+byte, with each layer's experts stacked; llama.cpp runs it as transformers does; GGUF -> HF gives it back."""
 
 from __future__ import annotations
 
@@ -33,70 +33,96 @@ def tokenizer_dir(smollm2_gguf, tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def moe(tokenizer_dir, tmp_path_factory) -> Path:
-    """A 2-layer Qwen3-MoE, 4 experts and top-2 routing, renormalised as the released models are."""
-    config = transformers.Qwen3MoeConfig(
-        **SIZES, head_dim=32, moe_intermediate_size=128, num_experts=EXPERTS, num_experts_per_tok=2,
-        norm_topk_prob=True, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # weights large enough that the logits are far from uniform
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.08 if p.ndim >= 2 else 1 + 0.1 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("qwen3moe")
-    model.to(torch.bfloat16).save_pretrained(d)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, d / f.name)
-    return d
+FAMILIES = {
+    # 4 experts and top-2 routing, renormalised as the released Qwen3 MoE models are
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **SIZES, head_dim=32, moe_intermediate_size=128, num_experts=EXPERTS, num_experts_per_tok=2,
+            norm_topk_prob=True, tie_word_embeddings=False,
+        )
+    ),
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            **{**SIZES, "intermediate_size": 128}, num_local_experts=EXPERTS, num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )
+    ),
+}  # fmt: skip
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 
 
 @pytest.fixture(scope="module")
-def oracle(vendored, moe, tmp_path_factory) -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on it (an empty `sentencepiece` stands in for the one it imports)."""
-    tmp = tmp_path_factory.mktemp("oracle-moe")
-    (tmp / "shim").mkdir()
-    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
-    out = tmp / "moe-f16.gguf"
-    run_python(
-        [vendored / "convert_hf_to_gguf.py", moe, "--outfile", out, "--outtype", "f16"], tmp / "shim", tmp
-    )
+def checkpoints(tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for family, build in FAMILIES.items():
+        torch.manual_seed(0)
+        model = build()
+        with torch.no_grad():  # weights large enough that the logits are far from uniform
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * 0.08 if p.ndim >= 2 else 1 + 0.1 * torch.randn_like(p))
+        d = tmp_path_factory.mktemp(family)
+        model.to(torch.bfloat16).save_pretrained(d)
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, d / f.name)
+        out[family] = d
     return out
 
 
-def test_gguf_equals_convert_hf_to_gguf(moe, oracle, tmp_path):
-    ours = hf_to_gguf(moe, tmp_path / "ours.gguf", "f16", progress=False)
-    kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracle).metadata
+@pytest.fixture(scope="module")
+def moe(checkpoints) -> Path:
+    return checkpoints["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """llama.cpp's convert_hf_to_gguf.py on each (an empty `sentencepiece` stands in for the one it imports)."""
+    tmp = tmp_path_factory.mktemp("oracle-moe")
+    (tmp / "shim").mkdir()
+    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
+    out = {}
+    for family, src in checkpoints.items():
+        out[family] = tmp / f"{family}-f16.gguf"
+        run_python([vendored / "convert_hf_to_gguf.py", src, "--outfile", out[family], "--outtype", "f16"],
+                   tmp / "shim", tmp)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_equals_convert_hf_to_gguf(family, checkpoints, oracles, tmp_path):
+    ours = hf_to_gguf(checkpoints[family], tmp_path / "ours.gguf", "f16", progress=False)
+    kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracles[family]).metadata
     # the vendored gguf-py's SpecialVocab also writes add_eos_token = False (test_convert_llava says why)
     expected = {k: v for k, v in ref.items() if k != "tokenizer.ggml.add_eos_token"}
     assert list(kv) == list(expected) and kv == expected
-    assert kv["qwen3moe.expert_count"] == EXPERTS and kv["qwen3moe.expert_used_count"] == 2
-    assert kv["qwen3moe.expert_feed_forward_length"] == 128
-    assert list(tensor_bytes(ours).items()) == list(tensor_bytes(oracle).items())
+    arch = GGUF_ARCH[family]
+    assert kv[f"{arch}.expert_count"] == EXPERTS and kv[f"{arch}.expert_used_count"] == 2
+    assert list(tensor_bytes(ours).items()) == list(tensor_bytes(oracles[family]).items())
     shapes = {t.name: (t.type_name, t.shape) for t in read_gguf_info(ours).tensors}
     assert shapes["blk.0.ffn_gate_exps.weight"] == ("F16", (256, 128, EXPERTS))
     assert shapes["blk.0.ffn_down_exps.weight"] == ("F16", (128, 256, EXPERTS))
     assert shapes["blk.1.ffn_gate_inp.weight"] == ("F32", (256, EXPERTS))  # the router stays F32
 
 
-def test_llama_cpp_runs_it_as_transformers_does(moe, tmp_path):
-    out = hf_to_gguf(moe, tmp_path / "m.gguf", "f16", progress=False)
-    ours, ref = llama_logits(out), hf_logits(moe)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_runs_it_as_transformers_does(family, checkpoints, tmp_path):
+    out = hf_to_gguf(checkpoints[family], tmp_path / "m.gguf", "f16", progress=False)
+    ours, ref = llama_logits(out), hf_logits(checkpoints[family])
     assert np.abs(ours - ref).mean() / np.abs(ref).mean() < 5e-3  # F16 weights and KV cache
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_gguf_to_hf_unstacks_the_experts_exactly(moe, tmp_path):
-    back = gguf_to_hf(hf_to_gguf(moe, tmp_path / "m.gguf", "f32", progress=False), tmp_path / "hf", "fp32")
-    original, ours = _weights(moe), _weights(back)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_to_hf_unstacks_the_experts_exactly(family, checkpoints, tmp_path):
+    src = checkpoints[family]
+    back = gguf_to_hf(hf_to_gguf(src, tmp_path / "m.gguf", "f32", progress=False), tmp_path / "hf", "fp32")
+    original, ours = _weights(src), _weights(back)
     assert ours.keys() == original.keys()
     for name, value in original.items():
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     config = json.loads((back / "config.json").read_text())
-    assert (config["model_type"], config["num_experts"], config["num_experts_per_tok"]) == ("qwen3_moe", 4, 2)
-    assert config["moe_intermediate_size"] == 128 and config["norm_topk_prob"] is True
-    np.testing.assert_allclose(hf_logits(back), hf_logits(moe), rtol=1e-4, atol=1e-4)
+    assert (config["model_type"], config["num_experts_per_tok"]) == (family, 2)
+    assert config.get("num_experts", config.get("num_local_experts")) == EXPERTS
+    np.testing.assert_allclose(hf_logits(back), hf_logits(src), rtol=1e-4, atol=1e-4)
 
 
 def _copy(moe: Path, to: Path, config: dict | None = None, drop: str | None = None) -> Path:

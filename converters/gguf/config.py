@@ -113,7 +113,7 @@ def hf_config(info: GGUFInfo, spec: ArchSpec, dtype: str, rope_freqs: np.ndarray
             # the model is still right within its original context; only long-context scaling is lost
             log.warning("rope_freqs.weight matches no known llama3 rope scaling; rope_scaling left out")
     if (n_experts := md.get(f"{arch}.expert_count")) is not None:  # a mixture of experts
-        config["num_experts"] = n_experts
+        config[spec.expert_count_key] = n_experts
         config["num_experts_per_tok"] = need("expert_used_count")
         if (n_ff := md.get(f"{arch}.expert_feed_forward_length")) is not None:
             config["moe_intermediate_size"] = n_ff

@@ -104,7 +104,7 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
             f"{src.name} is part of a {info.split_count}-part split GGUF; merge it first with "
             "`llama-gguf-split --merge FIRST_PART merged.gguf`"
         )
-    spec = arch_for_gguf(info.architecture)
+    spec = arch_for_gguf(info.architecture, frozenset(t.name for t in info.tensors))
     check_destination(dst, force)
     reader = GGUFTensorReader(info)
     rope_freqs = next((reader.read(t) for t in info.tensors if t.name == "rope_freqs.weight"), None)

@@ -37,7 +37,7 @@ def hf_to_gguf(
     nthread: int | None = None,
     imatrix_label: str | None = None,
 ) -> Path:
-    """Convert a dense HF checkpoint (llama, mistral, qwen2, qwen3) to one GGUF file.
+    """Convert an HF checkpoint (llama, mistral, qwen2, qwen3, and the MoE qwen3_moe and mixtral) to one GGUF file.
 
     F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are written directly with gguf-py (what convert_hf_to_gguf.py,
     then llama-quantize for the 4/5-bit types, would produce). K-quants, and any type with an importance

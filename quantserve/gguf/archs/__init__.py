@@ -54,7 +54,6 @@ _MULTIMODAL_PREFIXES = (
 )  # fmt: skip
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(.+)$")
 
 # (the common config.json fields, the GGUF tensor names) -> this arch's own config.json fields
 ConfigExtra = Callable[[Mapping[str, Any], frozenset[str]], dict[str, Any]]
@@ -83,8 +82,9 @@ class ArchSpec:
     llama_kv: also write `{arch}.vocab_size` and `rope.dimension_count`, and tokenizer_config.json's
         `add_prefix_space`, as llama.cpp's LlamaModel does (and no other).
     torch: the torch backend's Transformer runs every model type of it (backends/torch/model.py).
-    experts: per-expert HF suffix (`model.layers.N.mlp.experts.E.` + suffix) <-> the GGUF suffix of the tensor
-        that stacks every expert of layer N; empty for a dense arch.
+    experts: per-expert HF suffix (`model.layers.N.{expert_prefix}.E.` + suffix) <-> the GGUF suffix of the
+        tensor that stacks every expert of layer N; empty for a dense arch.
+    expert_prefix, expert_count_key: where the experts sit in a layer, and config.json's name for their count.
     params_extra: writes the arch's own keys after the common ones (`{arch}.expert_feed_forward_length`).
     """
 
@@ -97,7 +97,14 @@ class ArchSpec:
     config_extra: ConfigExtra = field(default=_no_extra)
     torch: bool = False
     experts: tuple[tuple[str, str], ...] = ()
+    expert_prefix: str = "mlp.experts"
+    expert_count_key: str = "num_experts"
     params_extra: ParamsExtra = field(default=_no_params)
+
+    @property
+    def name(self) -> str:
+        """The registry's key: the first HF model type (several archs may share one GGUF arch)."""
+        return self.hf_model_types[0]
 
     @property
     def hf_architecture(self) -> str:
@@ -118,7 +125,7 @@ class ArchSpec:
 
     def expert_of(self, hf_name: str) -> tuple[int, int, str] | None:
         """(layer, expert, the stacked tensor's GGUF name) of one expert's HF tensor; None for any other."""
-        m = _HF_EXPERT.match(hf_name)
+        m = re.match(rf"^model\.layers\.(\d+)\.{re.escape(self.expert_prefix)}\.(\d+)\.(.+)$", hf_name)
         to = dict(self.experts).get(m.group(3)) if m else None
         return (int(m.group(1)), int(m.group(2)), f"blk.{m.group(1)}.{to}") if m and to else None
 
@@ -126,7 +133,7 @@ class ArchSpec:
         """The HF name of one expert's slice of a stacked GGUF tensor; None if `gguf_name` stacks no experts."""
         m = _GGUF_LAYER.match(gguf_name)
         back = {g: h for h, g in self.experts}.get(m.group(2)) if m else None
-        return f"model.layers.{m.group(1)}.mlp.experts.{expert}.{back}" if m and back else None
+        return f"model.layers.{m.group(1)}.{self.expert_prefix}.{expert}.{back}" if m and back else None
 
 
 def language_model_name(hf_name: str) -> str | None:
@@ -143,11 +150,11 @@ def language_model_name(hf_name: str) -> str | None:
 
 @cache
 def archs() -> dict[str, ArchSpec]:
-    """Every architecture by GGUF name, each module imported on the first call."""
-    from quantserve.gguf.archs.llama import LLAMA
+    """Every architecture by its name (ArchSpec.name), each module imported on the first call."""
+    from quantserve.gguf.archs.llama import LLAMA, MIXTRAL
     from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_MOE
 
-    return {spec.gguf_arch: spec for spec in (LLAMA, QWEN2, QWEN3, QWEN3_MOE)}
+    return {spec.name: spec for spec in (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)}
 
 
 def torch_architectures() -> dict[str, str]:
@@ -164,13 +171,17 @@ def supported_hf_types() -> list[str]:
     return sorted(t for s in archs().values() for t in s.hf_model_types)
 
 
-def arch_for_gguf(arch: str) -> ArchSpec:
-    spec = archs().get(arch)
-    if spec is None:
+def arch_for_gguf(arch: str, tensor_names: frozenset[str] = frozenset()) -> ArchSpec:
+    """The arch of a GGUF: by `general.architecture`, and where two archs share it (llama and Mixtral), by
+    whether its tensors stack experts."""
+    found = [s for s in archs().values() if s.gguf_arch == arch]
+    if not found:
+        known = ", ".join(sorted({s.gguf_arch for s in archs().values()}))
         raise UnsupportedFormatError(
-            f"GGUF architecture '{arch}' cannot be converted to HF (supported: {', '.join(sorted(archs()))})"
+            f"GGUF architecture '{arch}' cannot be converted to HF (supported: {known})"
         )
-    return spec
+    moe = any(n.endswith("_exps.weight") for n in tensor_names)
+    return next((s for s in found if bool(s.experts) == moe), found[0])
 
 
 def arch_for_hf(config: Mapping[str, Any]) -> ArchSpec:
