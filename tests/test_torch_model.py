@@ -44,6 +44,10 @@ CASES = {
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, {"head_dim": 32, "moe_intermediate_size": 48, "num_experts": 4,
+                                               "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "qwen3-moe-unnormalised": (transformers.Qwen3MoeConfig, {"head_dim": 32, "moe_intermediate_size": 48,
+                                                            "num_experts": 4, "num_experts_per_tok": 2}),
 }  # fmt: skip
 
 
@@ -59,10 +63,20 @@ def tiny_pair(case: str, tmp_path) -> tuple[torch.nn.Module, Transformer]:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
+        for name, p in hf.named_parameters():  # a router that prefers some experts, so that routing matters
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
     hf.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     ours = Transformer(ModelArgs.from_hf_config(cfg)).eval()
-    ours.load_state_dict(hf.state_dict(), strict=True)
+    # the saved file, not hf.state_dict(): transformers 5 fuses a MoE's experts in memory, one tensor per expert
+    # on disk (the hub's layout, which is what quantserve loads)
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "model.safetensors")
+    if "lm_head.weight" not in saved:
+        saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
+    ours.load_state_dict(saved, strict=True)
     return hf, ours
 
 
@@ -77,7 +91,7 @@ def test_logits_match_transformers(case, tmp_path):
     assert (got - want).abs().max().item() < 1e-3 * scale, case
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-moe"])
 def test_greedy_tokens_match_transformers(case, tmp_path):
     hf, ours = tiny_pair(case, tmp_path)
     ids = torch.tensor([[1, 5, 9, 33, 2]])
@@ -97,7 +111,7 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("paged_kernel", [False, True], ids=["gather", "kernel"])
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe"])
 def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monkeypatch):
     """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
     same step as two decodes), the others prefilled together in one padded call, then decoded together. The

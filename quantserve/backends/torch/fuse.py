@@ -73,6 +73,8 @@ def fuse_projections(model: Transformer) -> int:
             attn.qkv_proj = qkv
             del attn.q_proj, attn.k_proj, attn.v_proj
             count += 1
+        if not hasattr(mlp, "gate_proj"):  # a mixture of experts: each expert keeps its own projections
+            continue
         gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj], f"model.layers.{i}.mlp.gate_up_proj")
         if gate_up is not None:
             mlp.gate_up_proj = gate_up

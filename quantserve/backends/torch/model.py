@@ -1,4 +1,5 @@
-"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3) in plain PyTorch, in the spirit of gpt-fast.
+"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, qwen3_moe) in plain PyTorch, in the spirit of
+gpt-fast. A qwen3_moe layer's MLP is a mixture of experts (moe.py).
 
 Module and parameter names are the HF checkpoint's (`model.layers.3.self_attn.q_proj.weight`), so a state dict loads
 verbatim. Two ways to run it:
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import StepBatch
 from quantserve.errors import UnsupportedFormatError
@@ -42,6 +44,11 @@ class ModelArgs:
     attention_bias: bool  # qwen2: q/k/v carry a bias
     qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
     rope_scaling: tuple[tuple[str, Any], ...] = field(default=())  # sorted items of HF's rope_scaling dict
+    # a mixture of experts (qwen3_moe): every layer's MLP routes each token to num_experts_per_tok of num_experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
@@ -65,6 +72,7 @@ class ModelArgs:
                 "yarn); use --backend llamacpp"
             )
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
+        moe = _moe_args(cfg) if arch == "qwen3_moe" else {}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -80,9 +88,36 @@ class ModelArgs:
             # Llama/Qwen2 default to untied; a missing lm_head is caught when loading weights.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=scaling,
+            **moe,
         )
+
+
+def _moe_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's routing, from config.json.
+
+    Raises:
+        UnsupportedFormatError: dense layers among the MoE ones, or a top-k the expert count cannot give.
+    """
+    n = cfg.get("num_experts") or cfg.get("num_local_experts")
+    k = cfg.get("num_experts_per_tok")
+    if not isinstance(n, int) or not isinstance(k, int) or not 0 < k <= n:
+        raise UnsupportedFormatError(
+            f"config.json's num_experts ({n}) and num_experts_per_tok ({k}) do not describe a mixture of experts; "
+            "the checkpoint's config is damaged"
+        )
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedFormatError(
+            "config.json has dense layers among the MoE ones (mlp_only_layers / decoder_sparse_step), which the "
+            "torch backend does not run; use --backend llamacpp"
+        )
+    return {
+        "num_experts": n,
+        "num_experts_per_tok": k,
+        "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    }
 
 
 class RMSNorm(nn.Module):
@@ -222,7 +257,17 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = Attention(args)
-        self.mlp = MLP(args)
+        self.mlp: nn.Module = (
+            SparseMoe(
+                args.hidden_size,
+                args.moe_intermediate_size,
+                args.num_experts,
+                args.num_experts_per_tok,
+                args.norm_topk_prob,
+            )
+            if args.num_experts
+            else MLP(args)
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

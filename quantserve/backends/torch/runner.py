@@ -123,7 +123,10 @@ class TorchRunner:
             )
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
-            self.graphs = self.decode_graphs(capture=True)
+            if a.num_experts:
+                log.info("a mixture of experts routes on the host: the decode step runs without CUDA graphs")
+            else:
+                self.graphs = self.decode_graphs(capture=True)
         self.sampler = Sampler(device, self.n_vocab)
         self.tokens_computed = 0  # tokens fed through the model, in all (prefix-cache hits are not)
         log.info(

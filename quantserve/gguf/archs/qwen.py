@@ -92,4 +92,5 @@ QWEN3_MOE = ArchSpec(
     config_extra=_qwen3_moe_config,
     experts=EXPERTS,
     params_extra=_moe_params,
+    torch=True,
 )

@@ -1,0 +1,125 @@
+"""Qwen3-MoE on the torch backend, on a tiny random-weight checkpoint with SmolLM2's tokenizer: int4 at load against
+transformers on the exactly dequantized weights, the routers left dense; greedy tokens of 4 requests of different
+lengths batched under paged KV (with prefix caching) equal to transformers' greedy tokens for each alone; and a
+router whose shape disagrees with num_experts is refused before anything loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import triton  # noqa: F401 - before any test sets TRITON_INTERPRET (see test_w4a16_kernels.py)
+from safetensors.torch import load_file, save_file
+
+from quantserve.backends.torch.quant_linear import QuantLinear
+from quantserve.backends.torch.tokenizer import HFTokenizer
+from quantserve.backends.torch.weights import load_model
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
+from quantserve.errors import ModelFileError
+from quantserve.formats import detect, read_gguf_info
+from quantserve.quant.rtn import quantize_rtn
+from tests.test_torch_engine import make_engine
+
+CONFIG = dict(
+    vocab_size=49152, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+    norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+LONG = [1, *range(300, 340)]  # 41 tokens: two whole 16-token blocks to share
+PROMPTS = [
+    [1, 504, 3575, 282, 4649, 314],
+    LONG,
+    [1, 504, 3575, 282, 4649, 314, 7042, 30, 198, 504],
+    [1, 40, 2],
+]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)  # a router that prefers some experts, so that routing matters
+            else:
+                p.normal_(0, 0.1)
+    d = tmp_path_factory.mktemp("qwen3moe")
+    model.save_pretrained(d)
+    tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
+    return d
+
+
+def _dequantized_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint with every decoder linear but the routers replaced by its RTN int4 weights, dequantized:
+    what --quant int4 computes with (the same group choice as weights._quantize_in_place)."""
+    shutil.copytree(src, dst)
+    weights = load_file(dst / "model.safetensors")
+    for name, w in weights.items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            group = next(g for g in (128, 64, 32) if w.shape[1] % g == 0)
+            weights[name] = quantize_rtn(w.float(), bits=4, group_size=group).dequantize().T.contiguous()
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_int4_at_load_equals_transformers_on_the_dequantized_weights(moe_dir, tmp_path):
+    ours = load_model(detect(moe_dir), dtype=torch.float32, device=torch.device("cpu"), quant="int4")
+    layer = ours.model.layers[0].mlp
+    assert all(
+        isinstance(getattr(e, p), QuantLinear) for e in layer.experts for p in ("gate_proj", "down_proj")
+    )
+    assert type(layer.gate) is torch.nn.Linear  # the router stays dense
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        _dequantized_copy(moe_dir, tmp_path / "dq")
+    ).eval()
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours.compute_logits(ours(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+
+
+def _together(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Every prompt added at once, then stepped until all are done: one batch."""
+    outs: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add(Sequence(f"p{i}", ids, sp, IncrementalDetokenizer(), max_total_tokens=512))
+        outs[f"p{i}"] = []
+    while engine.has_work():
+        for out in engine.step():
+            outs[out.request_id].extend(out.token_ids)
+    return [outs[f"p{i}"] for i in range(len(prompts))]
+
+
+def test_batched_greedy_with_prefix_caching_equals_transformers_alone(moe_dir):
+    model = load_model(detect(moe_dir), dtype=torch.float32, device=torch.device("cpu"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    engine, _ = make_engine((model, HFTokenizer.from_dir(moe_dir)), max_num_seqs=4, kv_tokens=1024, n_batch=8,
+                            caching=True)  # fmt: skip
+    assert _together(engine, PROMPTS, 10) == want  # 4 requests; chunks of 8 tokens mix prefill with decode
+    assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 32  # its first two blocks cached
+    assert engine.kv.num_used == 0
+
+
+def test_a_router_that_disagrees_with_num_experts_is_refused(moe_dir, tmp_path):
+    bad = Path(shutil.copytree(moe_dir, tmp_path / "bad"))
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_local_experts": 8}))
+    with pytest.raises(ModelFileError, match=r"mlp\.(gate|experts)"):
+        load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
