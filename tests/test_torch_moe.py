@@ -123,3 +123,69 @@ def test_a_router_that_disagrees_with_num_experts_is_refused(moe_dir, tmp_path):
     (bad / "config.json").write_text(json.dumps({**config, "num_experts": 8, "num_local_experts": 8}))
     with pytest.raises(ModelFileError, match=r"mlp\.(gate|experts)"):
         load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_quantserve_convert_writes_a_moe_checkpoint_the_torch_backend_serves(method, moe_dir, tmp_path):
+    """`quantserve convert --quant gptq|rtn`: every expert's three linears quantized in GPTQModel's per-expert
+    layout, the routers dense; served by the torch backend (Marlin) with transformers' logits on the checkpoint
+    dequantized exactly."""
+    from safetensors import safe_open
+
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    tokens = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / method
+    quantize_checkpoint(
+        moe_dir, out, method, group_size=64, calib_tokens=tokens, progress=False
+    )  # K=64 experts
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    for e in range(4):
+        assert {
+            f"model.layers.1.mlp.experts.{e}.{p}.qweight" for p in ("gate_proj", "up_proj", "down_proj")
+        } <= names
+    assert "model.layers.0.mlp.gate.weight" in names and "model.layers.0.mlp.gate.qweight" not in names
+    ours = load_model(detect(out), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours.model.layers[1].mlp.experts[3].down_proj, QuantLinear)
+    ref_dir = dequantize_checkpoint(out, tmp_path / "dq", dtype="float32")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours.compute_logits(ours(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+
+
+def test_calibration_gives_every_expert_every_token(moe_dir):
+    """However the router sends the calibration tokens, each expert's linears see all of them (so each gets a
+    Hessian), and the block's output is still that of the routed experts alone."""
+    from quantserve.backends.torch.model import ModelArgs
+    from quantserve.backends.torch.rope import RotaryEmbedding
+    from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer
+    from quantserve.converters.calibration.layers import capture
+
+    args = ModelArgs.from_hf_config(json.loads((moe_dir / "config.json").read_text()))
+    block = empty_block(args, torch.device("cpu"))
+    load_layer(SafetensorsReader(detect(moe_dir).files), block.state_dict(), 0)
+    hidden = torch.randn(2, 16, 128)
+    rope = RotaryEmbedding(args)(torch.arange(16), 15)
+    seen: dict[str, int] = {}
+    names = [f"mlp.experts.{e}.gate_proj" for e in range(4)]
+    capture(block, hidden, rope, names, lambda n, x: seen.__setitem__(n, seen.get(n, 0) + x.shape[0]), 8)
+    assert seen == dict.fromkeys(names, 32)
+    with torch.no_grad():
+        all_experts = block(hidden, rope)
+        block.mlp.calibrate_all = False
+        routed = block(hidden, rope)
+    assert torch.allclose(all_experts, routed, atol=1e-5)
+
+
+def test_awq_refuses_a_mixture_of_experts_by_name(moe_dir, tmp_path):
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="awq does not handle a mixture of experts"):
+        quantize_checkpoint(moe_dir, tmp_path / "awq", "awq", calib_tokens=torch.ones(2, 8, dtype=torch.long))
+    assert not (tmp_path / "awq").exists()

@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, TransformerBlock
-from quantserve.converters.calibration.layers import LAYER_METHODS, LINEARS, QuantizeOptions, run_block
+from quantserve.converters.calibration.layers import LAYER_METHODS, QuantizeOptions, block_linears, run_block
 from quantserve.errors import ConfigError, ModelFileError
 from quantserve.formats import detect
 from quantserve.kernels.qweight import QuantizedWeight
@@ -196,6 +196,7 @@ def _stream(
     del embed
     block = empty_block(args, device)
     state = block.state_dict()
+    linears = block_linears(block)
     n_layers = args.num_hidden_layers
     bar = tqdm(range(n_layers), desc=f"quantize ({opt.method})", unit="layer", disable=not progress)
     for i in bar:
@@ -207,7 +208,7 @@ def _stream(
             block, hidden, rope if hidden is not None else None, replace(opt, layer=i)
         )
         for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
-            if name.removesuffix(".weight") not in LINEARS:
+            if name.removesuffix(".weight") not in linears:
                 p.copy_(p.to(dtypes[name]))
         if hidden is not None and i + 1 < n_layers:
             run_block(block, hidden, rope, opt.batch_size, out=hidden)
@@ -220,7 +221,7 @@ def _stream(
         )  # fmt: skip
         for name, p in state.items():
             module = name.rsplit(".", 1)[0]
-            if module in LINEARS:
+            if module in linears:
                 if name.endswith(".weight"):
                     bias = state.get(module + ".bias")
                     qw, loss = results[module]
@@ -257,9 +258,12 @@ def load_layer(reader: SafetensorsReader, state: dict[str, torch.Tensor], i: int
 
 def empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
     """A float32 decoder block on `device`, reused for every layer (no random init of weights that get
-    overwritten)."""
+    overwritten). A mixture of experts runs every expert on every token while it calibrates, so that each gets a
+    Hessian however the router sends the calibration tokens (llm-compressor's moe_calibrate_all_experts)."""
     with torch.device("meta"):
         block = TransformerBlock(args, 0)
+    if args.num_experts:
+        block.mlp.calibrate_all = True
     return block.to_empty(device=device).float().eval()
 
 

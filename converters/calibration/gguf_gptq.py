@@ -111,6 +111,11 @@ def calibrated_gguf(
             f"{src} is a {spec.format} model; calibrated GGUF conversion reads dense HF checkpoints"
         )
     args = ModelArgs.from_hf_config(spec.config)
+    if args.num_experts:
+        raise ConfigError(
+            "calibrated rounding to GGUF (--calib) does not handle a mixture of experts yet; convert it without "
+            "--calib, or with an --imatrix from llama-imatrix"
+        )
     if tokens.dim() != 2 or int(tokens.min()) < 0 or int(tokens.max()) >= args.vocab_size:
         raise ConfigError(f"calibration tokens must be [n, T] ids below {args.vocab_size}")
     arch = arch_for_hf(spec.config)

@@ -1,4 +1,5 @@
-"""The calibration driver's per-layer step: quantize the seven linears of a decoder block in place."""
+"""The calibration driver's per-layer step: quantize the linears of a decoder block in place (seven in a dense
+block; in a mixture of experts the four of attention and three per expert, the router left dense)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,37 @@ SAME_INPUT = {
 }
 # AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax.
 AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+def n_experts(block: nn.Module) -> int:
+    experts = getattr(block.mlp, "experts", None)
+    return len(experts) if experts is not None else 0
+
+
+def block_linears(block: nn.Module) -> tuple[str, ...]:
+    """The quantized linears of a block, in order (a router, `mlp.gate`, is not one of them)."""
+    if not n_experts(block):
+        return LINEARS
+    experts = tuple(f"mlp.experts.{e}.{p}" for e in range(n_experts(block)) for p in EXPERT_LINEARS)
+    return LINEARS[:4] + experts
+
+
+def sequential_groups(block: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """SEQUENTIAL for the block: a MoE's experts go in two groups, every gate|up, then every down."""
+    if not n_experts(block):
+        return SEQUENTIAL
+    experts = block_linears(block)[4:]
+    return (LINEARS[:3], LINEARS[3:4], tuple(n for n in experts if not n.endswith("down_proj")),
+            tuple(n for n in experts if n.endswith("down_proj")))  # fmt: skip
+
+
+def same_input(name: str) -> str:
+    """The linear whose input `name` reads too (itself if none): an expert's up_proj reads its gate_proj's."""
+    if name.startswith("mlp.experts.") and name.endswith(".up_proj"):
+        return name.removesuffix("up_proj") + "gate_proj"
+    return SAME_INPUT.get(name, name)
+
 
 LayerResult = dict[str, tuple[QuantizedWeight, float | None]]
 
@@ -80,15 +112,21 @@ class QuantizeOptions:
             raise ConfigError(
                 f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
             )
+        if args.num_experts and self.method in ("awq", "awq-gptq"):
+            raise ConfigError(
+                f"{self.method} does not handle a mixture of experts yet (its scales would have to be shared by "
+                "every expert's gate and up); use --quant gptq or rtn for this model"
+            )
+        ff = args.moe_intermediate_size if args.num_experts else args.intermediate_size
         for name, k in (
             ("q/k/v/gate/up_proj", args.hidden_size),
             ("o_proj", args.num_attention_heads * args.head_dim),
-            ("down_proj", args.intermediate_size),
+            ("down_proj", ff),
         ):
             check_quant_args(k, self.bits, self.group_size, name)
         for prefix, (bits, group) in self.overrides:
             kind = prefix.rsplit(".", 1)[-1]
-            k = args.intermediate_size if kind == "down_proj" else (
+            k = ff if kind == "down_proj" else (
                 args.num_attention_heads * args.head_dim if kind == "o_proj" else args.hidden_size
             )  # fmt: skip
             check_quant_args(k, bits, group, prefix)
@@ -147,7 +185,7 @@ def _set(block: nn.Module, name: str, qw: QuantizedWeight) -> None:
 
 def quantize_block_rtn(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
     out: LayerResult = {}
-    for name in LINEARS:
+    for name in block_linears(block):
         w = block.get_submodule(name).weight
         out[name] = quantize_rtn(w, *opt.bits_for(name), opt.sym, opt.scale_dtype, name), None
         _set(block, name, out[name][0])
@@ -156,13 +194,13 @@ def quantize_block_rtn(block: TransformerBlock, hidden, rope, opt: QuantizeOptio
 
 def quantize_block_gptq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:
     out: LayerResult = {}
-    for group in SEQUENTIAL if opt.true_sequential else (LINEARS,):
-        hooked = sorted({SAME_INPUT.get(n, n) for n in group})
+    for group in sequential_groups(block) if opt.true_sequential else (block_linears(block),):
+        hooked = sorted({same_input(n) for n in group})
         gptq = {n: GPTQ(block.get_submodule(n).in_features) for n in hooked}
         capture(block, hidden, rope, hooked, lambda n, x, gptq=gptq: gptq[n].add_batch(x), opt.batch_size)
         for name in group:
-            src = SAME_INPUT.get(name, name)
-            last = all(SAME_INPUT.get(m, m) != src for m in group[group.index(name) + 1 :])
+            src = same_input(name)
+            last = all(same_input(m) != src for m in group[group.index(name) + 1 :])
             r = gptq[src].fasterquant(
                 block.get_submodule(name).weight, *opt.bits_for(name), opt.sym, opt.act_order,
                 opt.damp_percent, static_groups=opt.static_groups, scale_dtype=opt.scale_dtype, name=name,

@@ -36,6 +36,9 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(n_experts))
         self.top_k = top_k
         self.renormalize = renormalize
+        # calibration (converters/calibration): every expert runs on every token, so that each sees inputs to
+        # quantize against; the output still sums the routed experts only
+        self.calibrate_all = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [N, k] and their weights [N, k] (in x's dtype), for x [N, hidden]."""
@@ -49,6 +52,11 @@ class SparseMoe(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         chosen, weights = self.route(flat)
         out = torch.zeros_like(flat)
+        if self.calibrate_all:
+            for e, expert in enumerate(self.experts):
+                routed = (weights * (chosen == e)).sum(dim=-1, keepdim=True)  # 0 where e was not chosen
+                out += expert(flat) * routed
+            return out.reshape(x.shape)
         for e in chosen.unique().tolist():
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None])
