@@ -46,8 +46,14 @@ def _rope_scaling_from_freqs(factors: np.ndarray, theta: float, dim: int) -> dic
     return None
 
 
-def hf_config(info: GGUFInfo, spec: ArchSpec, dtype: str, rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    """The config.json object for this GGUF.
+def hf_config(
+    info: GGUFInfo,
+    spec: ArchSpec,
+    dtype: str,
+    rope_freqs: np.ndarray | None,
+    rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """The config.json object for this GGUF (`rope_factors`: LongRoPE's long and short factor tensors).
 
     Raises:
         ModelFileError: required `{arch}.*` keys are missing.
@@ -107,11 +113,25 @@ def hf_config(info: GGUFInfo, spec: ArchSpec, dtype: str, rope_freqs: np.ndarray
             config["rope_scaling"]["original_max_position_embeddings"] = md.get(
                 f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"]
             )
+    elif rope_factors is not None:  # LongRoPE (Phi-3): the factors llama.cpp keeps as tensors
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": [_f32(x) for x in rope_factors[0]],
+            "short_factor": [_f32(x) for x in rope_factors[1]],
+        }
     elif rope_freqs is not None:
         config["rope_scaling"] = _rope_scaling_from_freqs(rope_freqs, theta, head_dim)
         if config["rope_scaling"] is None:
             # the model is still right within its original context; only long-context scaling is lost
             log.warning("rope_freqs.weight matches no known llama3 rope scaling; rope_scaling left out")
+    if (
+        orig := md.get(f"{arch}.rope.scaling.original_context_length")
+    ) is not None and "rope_scaling" not in config:
+        config["original_max_position_embeddings"] = orig  # Phi-3 names it outside rope_scaling
+    if rope_factors is not None:
+        config["original_max_position_embeddings"] = orig
+    if md.get(f"{arch}.attention.sliding_window"):  # 0 means none
+        config["sliding_window"] = md[f"{arch}.attention.sliding_window"]
     if (n_experts := md.get(f"{arch}.expert_count")) is not None:  # a mixture of experts
         config[spec.expert_count_key] = n_experts
         config["num_experts_per_tok"] = need("expert_used_count")

@@ -23,7 +23,8 @@ from quantserve.gguf.tensors import GGUFTensorReader
 
 log = logging.getLogger(__name__)
 _ST_DTYPES = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-_SKIP = {"rope_freqs.weight"}  # llama3 rope factors: folded into config.json rope_scaling instead
+# rope factors llama.cpp keeps as tensors (llama3's, LongRoPE's): folded into config.json's rope_scaling instead
+_SKIP = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def _encode(chunk: np.ndarray, dtype: str) -> np.ndarray:
@@ -83,7 +84,7 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
     """Convert a GGUF file into an HF checkpoint directory that transformers loads.
 
     Args:
-        src: a .gguf file (llama, mistral-as-llama, qwen2, qwen3 or qwen3moe; not split).
+        src: a .gguf file (llama, mistral and mixtral as llama, qwen2, qwen3, qwen3moe or phi3; not split).
         dst: the directory to create.
         dtype: "bf16", "fp16" or "fp32" for the safetensors weights.
         progress: show a tqdm bar per tensor.
@@ -107,8 +108,15 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
     spec = arch_for_gguf(info.architecture, frozenset(t.name for t in info.tensors))
     check_destination(dst, force)
     reader = GGUFTensorReader(info)
-    rope_freqs = next((reader.read(t) for t in info.tensors if t.name == "rope_freqs.weight"), None)
-    config = hf_config(info, spec, dtype, rope_freqs)
+    small = {t.name: t for t in info.tensors if t.name in _SKIP}
+    rope_freqs = reader.read(small["rope_freqs.weight"]) if "rope_freqs.weight" in small else None
+    factors = None
+    if "rope_factors_long.weight" in small and "rope_factors_short.weight" in small:
+        factors = (
+            reader.read(small["rope_factors_long.weight"]),
+            reader.read(small["rope_factors_short.weight"]),
+        )
+    config = hf_config(info, spec, dtype, rope_freqs, factors)
     tokenizer = tokenizer_from_gguf(info.metadata, model_max_length=config["max_position_embeddings"])
     plan = _plan(info, spec, dtype)
     ensure_free_space(dst.parent, sum(p.n_bytes for _, p, _ in plan), f"converting {src.name}")

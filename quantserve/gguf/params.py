@@ -62,6 +62,9 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
         ModelFileError: config.json lacks num_hidden_layers or another required size.
         UnsupportedFormatError: a rope scaling type llama.cpp cannot run for this arch.
     """
+    if spec.params is not None:
+        spec.params(writer, hp, ftype)
+        return
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
         if hp.get(key) is None:
             raise ModelFileError(f"config.json has no '{key}'; it is required to convert this model")

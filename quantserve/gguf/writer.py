@@ -67,6 +67,8 @@ def plan_tensors(
     out: list[OutTensor] = []
     if (freqs := llama3_rope_freqs(hp)) is not None:
         out.append(OutTensor("rope_freqs.weight", freqs.shape, T.F32, lambda: freqs))
+    for name, value in spec.extra_tensors(hp) if spec.extra_tensors else ():
+        out.append(OutTensor(name, value.shape, T.F32, lambda value=value: value))
     experts = _Experts(spec, source, hp, target, tied)
     for hf_name, t in source.tensors.items():
         if hf_name.endswith(_IGNORED) or hf_name not in text:
@@ -193,6 +195,7 @@ def write_gguf(
         writer.add_tensor_info(
             t.name, tuple(reversed(t.ne)), np.dtype(np.float32), t.n_bytes, raw_dtype=t.qtype
         )
+    spec.first_keys(writer, hp)
     writer.add_type(gguf.GGUFType.MODEL)
     _metadata(writer, model_dir).set_gguf_meta_model(writer)
     add_arch_params(writer, spec, hp, int(target.ftype))

@@ -59,6 +59,11 @@ _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 ConfigExtra = Callable[[Mapping[str, Any], frozenset[str]], dict[str, Any]]
 # (the GGUF writer, the normalised config.json) -> writes this arch's own keys after the common ones
 ParamsExtra = Callable[[Any, Mapping[str, Any]], None]
+# (the GGUF writer, the normalised config.json, the file type) -> writes every arch key (an arch whose converter
+# writes its own set, in its own order)
+Params = Callable[[Any, Mapping[str, Any], int], None]
+# the normalised config.json -> tensors the converter makes from it, written before the checkpoint's (name, f32)
+ExtraTensors = Callable[[Mapping[str, Any]], list[tuple[str, Any]]]
 
 
 def _no_extra(config: Mapping[str, Any], tensor_names: frozenset[str]) -> dict[str, Any]:
@@ -86,6 +91,10 @@ class ArchSpec:
         tensor that stacks every expert of layer N; empty for a dense arch.
     expert_prefix, expert_count_key: where the experts sit in a layer, and config.json's name for their count.
     params_extra: writes the arch's own keys after the common ones (`{arch}.expert_feed_forward_length`).
+    params: writes all the arch keys instead of the common ones (Phi-3's converter has its own list).
+    extra_tensors: tensors made from the config (llama3's rope_freqs, Phi-3's rope factors), written first.
+    first_keys: keys llama.cpp's converter writes while it makes those tensors, so before all the others (Phi-3's
+        rope attention factor comes right after general.architecture).
     """
 
     gguf_arch: str
@@ -100,6 +109,9 @@ class ArchSpec:
     expert_prefix: str = "mlp.experts"
     expert_count_key: str = "num_experts"
     params_extra: ParamsExtra = field(default=_no_params)
+    params: Params | None = None
+    extra_tensors: ExtraTensors | None = None
+    first_keys: ParamsExtra = field(default=_no_params)
 
     @property
     def name(self) -> str:
@@ -152,9 +164,10 @@ def language_model_name(hf_name: str) -> str | None:
 def archs() -> dict[str, ArchSpec]:
     """Every architecture by its name (ArchSpec.name), each module imported on the first call."""
     from quantserve.gguf.archs.llama import LLAMA, MIXTRAL
+    from quantserve.gguf.archs.phi import PHI3
     from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_MOE
 
-    return {spec.name: spec for spec in (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE)}
+    return {spec.name: spec for spec in (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3)}
 
 
 def torch_architectures() -> dict[str, str]:
