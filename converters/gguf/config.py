@@ -128,7 +128,7 @@ def hf_config(
         orig := md.get(f"{arch}.rope.scaling.original_context_length")
     ) is not None and "rope_scaling" not in config:
         config["original_max_position_embeddings"] = orig  # Phi-3 names it outside rope_scaling
-    if rope_factors is not None:
+    if rope_factors is not None and orig is not None:
         config["original_max_position_embeddings"] = orig
     if md.get(f"{arch}.attention.sliding_window"):  # 0 means none
         config["sliding_window"] = md[f"{arch}.attention.sliding_window"]
