@@ -63,5 +63,5 @@ def test_every_writer_module_is_listed():
 def test_the_torch_backend_runs_what_the_registry_marks():
     assert torch_architectures() == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
     }  # fmt: skip

@@ -48,6 +48,12 @@ CASES = {
                                                "num_experts_per_tok": 2, "norm_topk_prob": True}),
     "qwen3-moe-unnormalised": (transformers.Qwen3MoeConfig, {"head_dim": 32, "moe_intermediate_size": 48,
                                                             "num_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": (transformers.Phi3Config, {"pad_token_id": 0}),
+    # 80-token prompts run past the 64-token original context: transformers takes the long factors there
+    "phi3-longrope": (transformers.Phi3Config, {
+        "pad_token_id": 0, "original_max_position_embeddings": 64,
+        "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.3 * i for i in range(8)],
+                         "short_factor": [1.0 + 0.05 * i for i in range(8)]}}),
 }  # fmt: skip
 
 
@@ -91,7 +97,7 @@ def test_logits_match_transformers(case, tmp_path):
     assert (got - want).abs().max().item() < 1e-3 * scale, case
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-moe", "phi3", "phi3-longrope"])
 def test_greedy_tokens_match_transformers(case, tmp_path):
     hf, ours = tiny_pair(case, tmp_path)
     ids = torch.tensor([[1, 5, 9, 33, 2]])
@@ -111,7 +117,7 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("paged_kernel", [False, True], ids=["gather", "kernel"])
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "phi3"])
 def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monkeypatch):
     """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
     same step as two decodes), the others prefilled together in one padded call, then decoded together. The
@@ -229,3 +235,66 @@ def test_smollm2_matches_transformers(smollm2_hf):
             seq.append(int(ours.compute_logits(ours(torch.tensor([seq])))[0, -1].argmax()))
     assert len(out) >= 5  # "The capital of France is Paris." then its end-of-turn, where generate stops
     assert seq[ids.shape[1] : ids.shape[1] + len(out)] == out
+
+
+def test_a_windowed_model_is_served_within_its_window(tmp_path):
+    """Phi-3's layers attend within `sliding_window` tokens, which this model does not implement: it is exact up
+    to the window, so its context is the window by default, and a longer --ctx-size is refused by name."""
+    from quantserve.backends.torch.backend import _windowed
+    from quantserve.backends.torch.runner import TorchRunner
+    from quantserve.core.model_size import model_shape
+    from quantserve.core.settings import EngineSettings
+    from quantserve.errors import ConfigError
+    from quantserve.formats import detect
+
+    config_cls, extra = CASES["phi3"]
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra, sliding_window=48))
+    hf.save_pretrained(tmp_path)
+    ours = Transformer(ModelArgs.from_hf_config(json.loads((tmp_path / "config.json").read_text())))
+    assert ours.args.context_limit == 48
+    assert _windowed(model_shape(detect(tmp_path)), detect(tmp_path)).n_ctx_train == 48  # what inspect says
+    cpu = torch.device("cpu")
+    assert TorchRunner(ours, None, EngineSettings(max_num_seqs=1), cpu).n_ctx == 48
+    with pytest.raises(ConfigError, match="48-token window.*--ctx-size 48 or less"):
+        TorchRunner(ours, None, EngineSettings(ctx_size=64, max_num_seqs=1), cpu)
+
+
+def test_phi3_int4_at_load_equals_transformers_on_the_dequantized_weights(tmp_path):
+    """--quant int4 quantizes Phi-3's fused q|k|v and gate|up as the single linears they are."""
+    from safetensors.torch import load_file, save_file
+
+    from quantserve.backends.torch.quant_linear import QuantLinear
+    from quantserve.backends.torch.weights import load_model
+    from quantserve.formats import detect
+    from quantserve.quant.rtn import quantize_rtn
+
+    config_cls, extra = CASES["phi3"]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra))
+    hf.save_pretrained(tmp_path / "src")
+    ours = load_model(detect(tmp_path / "src"), dtype=torch.float32, device=torch.device("cpu"), quant="int4")
+    assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    weights = load_file(tmp_path / "src/model.safetensors")
+    for name, w in weights.items():  # what --quant int4 computes with (weights._quantize_in_place's groups)
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            group = next(g for g in (128, 64, 32) if w.shape[1] % g == 0)
+            weights[name] = quantize_rtn(w.float(), bits=4, group_size=group).dequantize().T.contiguous()
+    save_file(weights, tmp_path / "src/model.safetensors", metadata={"format": "pt"})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").eval()
+    ids = torch.randint(0, TINY["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours.compute_logits(ours(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+
+
+def test_quantizers_refuse_phi3s_fused_projections_by_name(tmp_path):
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.errors import ConfigError
+
+    config_cls, extra = CASES["phi3"]
+    transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra)).save_pretrained(
+        tmp_path / "src"
+    )
+    with pytest.raises(ConfigError, match=r"q\|k\|v and gate\|up are fused in the checkpoint \(phi3\)"):
+        quantize_checkpoint(tmp_path / "src", tmp_path / "out", "rtn", group_size=32, progress=False)
+    assert not (tmp_path / "out").exists()

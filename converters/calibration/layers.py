@@ -112,6 +112,11 @@ class QuantizeOptions:
             raise ConfigError(
                 f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
             )
+        if args.fused:
+            raise ConfigError(
+                f"quantizing a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) is not "
+                "supported yet; serve it with --quant int4 at load, or convert it to GGUF"
+            )
         if args.num_experts and self.method in ("awq", "awq-gptq"):
             raise ConfigError(
                 f"{self.method} does not handle a mixture of experts yet (its scales would have to be shared by "

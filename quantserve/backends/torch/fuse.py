@@ -68,6 +68,8 @@ def fuse_projections(model: Transformer) -> int:
     count = 0
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is not None:  # fused in the checkpoint (phi3): nothing to do
+            continue
         qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], f"model.layers.{i}.self_attn.qkv_proj")
         if qkv is not None:
             attn.qkv_proj = qkv

@@ -11,113 +11,16 @@ The model keeps one rotary table; a forward looks its positions up once and hand
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.backends.torch.args import ModelArgs
 from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import StepBatch
-from quantserve.errors import UnsupportedFormatError
-from quantserve.gguf.archs import torch_architectures
 from quantserve.kernels import fused
 from quantserve.kernels.paged_attention import paged_decode_attention
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # qwen2: q/k/v carry a bias
-    qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
-    rope_scaling: tuple[tuple[str, Any], ...] = field(default=())  # sorted items of HF's rope_scaling dict
-    # a mixture of experts (qwen3_moe): every layer's MLP routes each token to num_experts_per_tok of num_experts
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
-        """Raises UnsupportedFormatError for architectures this model does not implement."""
-        names = cfg.get("architectures") or []
-        known = torch_architectures()
-        arch = next((known[n] for n in names if n in known), None)
-        if arch is None:
-            raise UnsupportedFormatError(
-                f"architecture {names or cfg.get('model_type')!r} is not supported by the torch backend "
-                f"(supported: {', '.join(known)}); use --backend llamacpp with a GGUF"
-            )
-        heads = cfg["num_attention_heads"]
-        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3", "yarn"):
-            raise UnsupportedFormatError(
-                f"rope scaling {rope_type!r} is not supported by the torch backend (supported: linear, llama3, "
-                "yarn); use --backend llamacpp"
-            )
-        scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
-        moe = _moe_args(cfg) if arch == "qwen3_moe" else {}
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            # Llama/Qwen2 default to untied; a missing lm_head is caught when loading weights.
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
-            rope_scaling=scaling,
-            **moe,
-        )
-
-
-def _moe_args(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's routing, from config.json.
-
-    Raises:
-        UnsupportedFormatError: dense layers among the MoE ones, or a top-k the expert count cannot give.
-    """
-    n = cfg.get("num_experts") or cfg.get("num_local_experts")
-    k = cfg.get("num_experts_per_tok")
-    if not isinstance(n, int) or not isinstance(k, int) or not 0 < k <= n:
-        raise UnsupportedFormatError(
-            f"config.json's num_experts ({n}) and num_experts_per_tok ({k}) do not describe a mixture of experts; "
-            "the checkpoint's config is damaged"
-        )
-    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-        raise UnsupportedFormatError(
-            "config.json has dense layers among the MoE ones (mlp_only_layers / decoder_sparse_step), which the "
-            "torch backend does not run; use --backend llamacpp"
-        )
-    return {
-        "num_experts": n,
-        "num_experts_per_tok": k,
-        "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-    }
 
 
 class RMSNorm(nn.Module):
@@ -156,15 +59,18 @@ class Attention(nn.Module):
             args.head_dim,
         )
         d, bias = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
+        sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+        if not args.fused:
+            self.q_proj = nn.Linear(d, sizes[0], bias=bias)
+            self.k_proj = nn.Linear(d, sizes[1], bias=bias)
+            self.v_proj = nn.Linear(d, sizes[2], bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.qkv_proj: nn.Module | None = None  # q|k|v in one, when fused after loading
-        self.qkv_sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+        # q|k|v in one: as the checkpoint has it (phi3), or fused after loading (backends/torch/fuse.py)
+        self.qkv_proj: nn.Module | None = nn.Linear(d, sum(sizes), bias=bias) if args.fused else None
+        self.qkv_sizes = sizes
         self.cache: KVCache | None = None  # set by the runner for paged serving
         self.triton_ops = (
             False  # rotary embedding and KV write in one Triton kernel: set by use_fused_kernels
@@ -239,10 +145,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None  # gate|up in one, when fused after loading
+        d, ff = args.hidden_size, args.intermediate_size
+        if not args.fused:
+            self.gate_proj = nn.Linear(d, ff, bias=False)
+            self.up_proj = nn.Linear(d, ff, bias=False)
+        self.down_proj = nn.Linear(ff, d, bias=False)
+        # gate|up in one (gate first): as the checkpoint has it (phi3), or fused after loading
+        self.gate_up_proj: nn.Module | None = nn.Linear(d, 2 * ff, bias=False) if args.fused else None
         self.triton_ops = False  # silu(gate) * up in one Triton kernel: set by use_fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

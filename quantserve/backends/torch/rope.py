@@ -1,5 +1,5 @@
 """Rotary position embeddings: the inverse frequencies of every rope_scaling kind transformers knows for these
-models (default, linear, llama3, yarn), the model's one cos/sin table, and its application to q and k."""
+models (default, linear, llama3, yarn, longrope), the model's cos/sin table, and its application to q and k."""
 
 from __future__ import annotations
 
@@ -13,14 +13,23 @@ if TYPE_CHECKING:
     from quantserve.backends.torch.model import ModelArgs
 
 
-def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim / 2] and the attention scaling of cos/sin, as transformers'
-    `ROPE_INIT_FUNCTIONS` compute them for default, linear, llama3 and yarn."""
+    `ROPE_INIT_FUNCTIONS` compute them for default, linear, llama3, yarn and longrope (`long`: its factors for
+    sequences past the original context)."""
     dim, base = args.head_dim, args.rope_theta
     # fp32 like transformers, so that both models see the same frequencies.
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     s = dict(args.rope_scaling)
     kind = s.get("rope_type", "default")
+    if kind == "longrope":  # Phi-3: a factor per frequency, short or long, and one attention scaling for both
+        orig = s["original_max_position_embeddings"]
+        factor = args.max_position_embeddings / orig
+        scaling = s.get("attention_factor") or (
+            math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+        )
+        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return (1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))).float(), scaling
     if kind == "linear":
         return (inv_freq / s["factor"]).float(), 1.0
     if kind == "llama3":
@@ -62,29 +71,38 @@ def rope_inv_freq(args: ModelArgs) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """The model's one rotary table: cos and sin of every position up to the longest seen so far, in fp32 (HF's
+    """The model's rotary table: cos and sin of every position up to the longest seen so far, in fp32 (HF's
     rotate_half layout: halves, not pairs). It grows by doubling; a lookup is an index, the same values as
-    computing them (positions x inverse frequencies, then cos/sin)."""
+    computing them (positions x inverse frequencies, then cos/sin). LongRoPE has a second table, for a forward
+    whose longest position is past the original context, as transformers switches (longrope_frequency_update)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cos = self._sin = torch.empty(0)
+        s = dict(args.rope_scaling)
+        self.switch_at = s["original_max_position_embeddings"] if s.get("rope_type") == "longrope" else None
+        if self.switch_at is not None:
+            self.register_buffer("inv_freq_long", rope_inv_freq(args, long=True)[0], persistent=False)
+        self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _grow(self, n: int, device: torch.device) -> None:
+    def _grow(self, n: int, device: torch.device, long: bool) -> None:
         size = max(256, 1 << (n - 1).bit_length())
-        freqs = torch.arange(size, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
+        inv = (self.inv_freq_long if long else self.inv_freq).to(device)
+        freqs = torch.arange(size, device=device).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        self._tables[long] = (emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
 
     def forward(self, positions: torch.Tensor, max_position: int | None = None) -> Rope:
         """cos, sin [T, head_dim] for positions [T]; `max_position` (the largest, if the caller knows it) saves a
         look at the device tensor."""
         top = max_position if max_position is not None else int(positions.max()) if positions.numel() else 0
-        if top >= self._cos.shape[0] or self._cos.device != positions.device:
-            self._grow(top + 1, positions.device)
-        return self._cos[positions], self._sin[positions]
+        long = self.switch_at is not None and top + 1 > self.switch_at
+        cos, _ = self._tables.get(long, (torch.empty(0), None))
+        if top >= cos.shape[0] or cos.device != positions.device:
+            self._grow(top + 1, positions.device, long)
+        cos, sin = self._tables[long]
+        return cos[positions], sin[positions]
 
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim] of the tokens at hand

@@ -94,10 +94,18 @@ class TorchRunner:
         if kv is None:
             a = model.args
             shape = Shape(a.num_hidden_layers, a.num_key_value_heads * a.num_hidden_layers, a.head_dim,
-                          a.max_position_embeddings)  # fmt: skip
+                          a.context_limit)  # fmt: skip
             fill = device.type == "cuda" and settings.torch.kv_fill_gpu
             kv = torch_kv(shape, settings, elem_bytes=dtype.itemsize, fill_gpu=fill)
         self.n_ctx = kv.n_ctx
+        window = model.args.sliding_window
+        if window and self.n_ctx > window:
+            raise ConfigError(
+                f"this model's layers attend within a {window}-token window, which the torch backend does not "
+                f"implement: it is exact up to {window} tokens; run with --ctx-size {window} or less, or with "
+                "--backend llamacpp",
+                param="ctx_size",
+            )
         self.block_size = settings.torch.block_size
         if kv.cells is None:
             num_blocks = fill_gpu_blocks(model, settings, self.n_ctx, dtype)
@@ -123,8 +131,11 @@ class TorchRunner:
             )
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
-            if a.num_experts:
-                log.info("a mixture of experts routes on the host: the decode step runs without CUDA graphs")
+            if a.num_experts or dict(a.rope_scaling).get("rope_type") == "longrope":
+                # a MoE routes on the host; LongRoPE picks its table by the step's longest position
+                log.info(
+                    "this model's decode step runs without CUDA graphs (a mixture of experts, or LongRoPE)"
+                )
             else:
                 self.graphs = self.decode_graphs(capture=True)
         self.sampler = Sampler(device, self.n_vocab)

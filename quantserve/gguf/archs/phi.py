@@ -101,4 +101,5 @@ PHI3 = ArchSpec(
     params=_params,
     extra_tensors=_rope_factors,
     first_keys=_first_keys,
+    torch=True,
 )

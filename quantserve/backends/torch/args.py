@@ -1,0 +1,125 @@
+"""What the torch backend's model is built from: a config.json read into ModelArgs (the architecture, the sizes,
+the rope and, for a mixture of experts, its routing), refusing what the model does not implement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantserve.errors import UnsupportedFormatError
+from quantserve.gguf.archs import torch_architectures
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # qwen2: q/k/v carry a bias
+    qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = field(default=())  # sorted items of HF's rope_scaling dict
+    # a mixture of experts (qwen3_moe): every layer's MLP routes each token to num_experts_per_tok of num_experts
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    fused: bool = (
+        False  # phi3: the checkpoint's q|k|v and gate|up are one linear each (qkv_proj, gate_up_proj)
+    )
+    # phi3: attention within this many tokens (0: none); the model attends over everything, so its context is cut
+    # to the window, where the two agree (context_limit)
+    sliding_window: int = 0
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this model computes as trained: its context, or its window if it has one."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
+        """Raises UnsupportedFormatError for architectures this model does not implement."""
+        names = cfg.get("architectures") or []
+        known = torch_architectures()
+        arch = next((known[n] for n in names if n in known), None)
+        if arch is None:
+            raise UnsupportedFormatError(
+                f"architecture {names or cfg.get('model_type')!r} is not supported by the torch backend "
+                f"(supported: {', '.join(known)}); use --backend llamacpp with a GGUF"
+            )
+        heads = cfg["num_attention_heads"]
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
+            raise UnsupportedFormatError(
+                f"rope scaling {rope_type!r} is not supported by the torch backend (supported: linear, llama3, "
+                "yarn, longrope); use --backend llamacpp"
+            )
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise UnsupportedFormatError(
+                f"partial rotary embeddings (partial_rotary_factor {partial}, as Phi-4-mini's) are not implemented "
+                "by the torch backend; use --backend llamacpp"
+            )
+        if rope_type == "longrope":  # Phi-3 names its original context outside rope_scaling
+            rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
+        scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
+        moe = _moe_args(cfg) if arch == "qwen3_moe" else {}
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            # Llama/Qwen2 default to untied; a missing lm_head is caught when loading weights.
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            rope_scaling=scaling,
+            **moe,
+            fused=arch == "phi3",
+            sliding_window=int(cfg.get("sliding_window") or 0) if arch == "phi3" else 0,
+        )
+
+
+def _moe_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's routing, from config.json.
+
+    Raises:
+        UnsupportedFormatError: dense layers among the MoE ones, or a top-k the expert count cannot give.
+    """
+    n = cfg.get("num_experts") or cfg.get("num_local_experts")
+    k = cfg.get("num_experts_per_tok")
+    if not isinstance(n, int) or not isinstance(k, int) or not 0 < k <= n:
+        raise UnsupportedFormatError(
+            f"config.json's num_experts ({n}) and num_experts_per_tok ({k}) do not describe a mixture of experts; "
+            "the checkpoint's config is damaged"
+        )
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise UnsupportedFormatError(
+            "config.json has dense layers among the MoE ones (mlp_only_layers / decoder_sparse_step), which the "
+            "torch backend does not run; use --backend llamacpp"
+        )
+    return {
+        "num_experts": n,
+        "num_experts_per_tok": k,
+        "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+    }
