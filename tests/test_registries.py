@@ -64,4 +64,5 @@ def test_the_torch_backend_runs_what_the_registry_marks():
     assert torch_architectures() == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
+        "MixtralForCausalLM": "mixtral",
     }  # fmt: skip

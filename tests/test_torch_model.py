@@ -48,6 +48,7 @@ CASES = {
                                                "num_experts_per_tok": 2, "norm_topk_prob": True}),
     "qwen3-moe-unnormalised": (transformers.Qwen3MoeConfig, {"head_dim": 32, "moe_intermediate_size": 48,
                                                             "num_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
     "phi3": (transformers.Phi3Config, {"pad_token_id": 0}),
     # 80-token prompts run past the 64-token original context: transformers takes the long factors there
     "phi3-longrope": (transformers.Phi3Config, {
@@ -70,7 +71,7 @@ def tiny_pair(case: str, tmp_path) -> tuple[torch.nn.Module, Transformer]:
             elif name.endswith("bias"):
                 p.normal_(0, 0.1)
         for name, p in hf.named_parameters():  # a router that prefers some experts, so that routing matters
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
                 p.normal_(0, 1.0)
     hf.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -79,7 +80,7 @@ def tiny_pair(case: str, tmp_path) -> tuple[torch.nn.Module, Transformer]:
     # on disk (the hub's layout, which is what quantserve loads)
     from safetensors.torch import load_file
 
-    saved = load_file(tmp_path / "model.safetensors")
+    saved = {ours.args.our_name(k): v for k, v in load_file(tmp_path / "model.safetensors").items()}
     if "lm_head.weight" not in saved:
         saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
     ours.load_state_dict(saved, strict=True)
@@ -97,7 +98,7 @@ def test_logits_match_transformers(case, tmp_path):
     assert (got - want).abs().max().item() < 1e-3 * scale, case
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-moe", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-moe", "mixtral", "phi3", "phi3-longrope"])
 def test_greedy_tokens_match_transformers(case, tmp_path):
     hf, ours = tiny_pair(case, tmp_path)
     ids = torch.tensor([[1, 5, 9, 33, 2]])
@@ -117,7 +118,7 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("paged_kernel", [False, True], ids=["gather", "kernel"])
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "phi3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "phi3"])
 def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monkeypatch):
     """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
     same step as two decodes), the others prefilled together in one padded call, then decoded together. The
@@ -298,3 +299,23 @@ def test_quantizers_refuse_phi3s_fused_projections_by_name(tmp_path):
     with pytest.raises(ConfigError, match=r"q\|k\|v and gate\|up are fused in the checkpoint \(phi3\)"):
         quantize_checkpoint(tmp_path / "src", tmp_path / "out", "rtn", group_size=32, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_mixtral_loads_under_its_own_names_and_its_quantizers_refuse(tmp_path):
+    """Mixtral's checkpoint names (`block_sparse_moe.experts.E.w1/w2/w3`) load into the shared MoE modules; the
+    quantizers, which write quantserve's own names, refuse it rather than write a checkpoint transformers cannot
+    read."""
+    from quantserve.backends.torch.weights import load_model
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.errors import ConfigError
+    from quantserve.formats import detect
+
+    hf, ours = tiny_pair("mixtral", tmp_path)
+    loaded = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    ids = torch.randint(0, TINY["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = loaded.compute_logits(loaded(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    with pytest.raises(ConfigError, match="names its layers differently"):
+        quantize_checkpoint(tmp_path, tmp_path / "out", "rtn", group_size=32, progress=False)

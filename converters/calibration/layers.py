@@ -112,6 +112,11 @@ class QuantizeOptions:
             raise ConfigError(
                 f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
             )
+        if args.checkpoint_names:
+            raise ConfigError(
+                f"quantizing {args.arch}, whose checkpoint names its layers differently from quantserve's model, "
+                "is not supported yet; serve it with --quant int4 at load, or convert it to GGUF"
+            )
         if args.fused:
             raise ConfigError(
                 f"quantizing a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) is not "

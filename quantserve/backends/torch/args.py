@@ -38,6 +38,16 @@ class ModelArgs:
     # phi3: attention within this many tokens (0: none); the model attends over everything, so its context is cut
     # to the window, where the two agree (context_limit)
     sliding_window: int = 0
+    # how the checkpoint's names differ from this model's (Mixtral: `block_sparse_moe.experts.E.w1`), as
+    # (theirs, ours) fragments
+    checkpoint_names: tuple[tuple[str, str], ...] = ()
+
+    def our_name(self, name: str) -> str:
+        """A checkpoint tensor's (or linear's) name in this model's modules."""
+        name += "."  # a linear's prefix ends in its own name: let the fragments match there too
+        for theirs, ours in self.checkpoint_names:
+            name = name.replace(theirs, ours)
+        return name[:-1]
 
     @property
     def context_limit(self) -> int:
@@ -75,7 +85,7 @@ class ModelArgs:
             rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
-        moe = _moe_args(cfg) if arch == "qwen3_moe" else {}
+        moe = _moe_args(cfg, renormalize=True if arch == "mixtral" else None) if arch in MOE else {}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -95,12 +105,20 @@ class ModelArgs:
             rope_scaling=scaling,
             **moe,
             fused=arch == "phi3",
-            sliding_window=int(cfg.get("sliding_window") or 0) if arch == "phi3" else 0,
+            sliding_window=int(cfg.get("sliding_window") or 0) if arch in ("phi3", "mixtral") else 0,
+            checkpoint_names=MIXTRAL_NAMES if arch == "mixtral" else (),
         )
 
 
-def _moe_args(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's routing, from config.json.
+MOE = ("qwen3_moe", "mixtral")
+# Mixtral's expert MLPs are w1 (gate), w2 (down) and w3 (up) under `block_sparse_moe`
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."),
+                 (".w3.", ".up_proj."))  # fmt: skip
+
+
+def _moe_args(cfg: dict[str, Any], renormalize: bool | None) -> dict[str, Any]:
+    """A mixture of experts' routing, from config.json (`renormalize`: what the family always does; None: its
+    config's norm_topk_prob says).
 
     Raises:
         UnsupportedFormatError: dense layers among the MoE ones, or a top-k the expert count cannot give.
@@ -121,5 +139,5 @@ def _moe_args(cfg: dict[str, Any]) -> dict[str, Any]:
         "num_experts": n,
         "num_experts_per_tok": k,
         "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "norm_topk_prob": renormalize if renormalize is not None else bool(cfg.get("norm_topk_prob", False)),
     }

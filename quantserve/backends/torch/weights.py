@@ -120,7 +120,8 @@ def load_model(
     if is_llava(config):  # its language model, named as in a plain checkpoint (the vision side: llava.py)
         args, name = ModelArgs.from_hf_config(llava.text_config(config)), llava.rename
     else:
-        args, name = ModelArgs.from_hf_config(config), str
+        args = ModelArgs.from_hf_config(config)
+        name = args.our_name
     if quant and spec.scheme is not None:
         raise ConfigError(
             f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"

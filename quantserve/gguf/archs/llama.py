@@ -61,4 +61,5 @@ MIXTRAL = ArchSpec(
     ),
     expert_prefix="block_sparse_moe.experts",
     expert_count_key="num_local_experts",
+    torch=True,
 )
