@@ -190,7 +190,7 @@ def test_quantserve_run_serves_the_hf_directory_in_situ(moe, tmp_path):
     assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
 
 
-def test_inspect_names_the_experts_of_both_forms(moe, tmp_path):
+def test_inspect_names_the_experts_of_both_forms(moe, checkpoints, tmp_path):
     from quantserve.formats.summary import render_summary, summarize
 
     # 2 layers x (4 - 2) idle experts x 3 matrices of 256 x 128 are not active for a token
@@ -199,4 +199,16 @@ def test_inspect_names_the_experts_of_both_forms(moe, tmp_path):
     for path in (moe, gguf_path):
         s = summarize(path)
         assert s.experts == want and "experts:" in render_summary(s)
+    mixtral = hf_to_gguf(checkpoints["mixtral"], tmp_path / "x.gguf", "q8_0", progress=False)
+    assert summarize(mixtral).experts.startswith("4 experts, 2 routed per token")  # feed_forward_length wide
     assert summarize(moe).n_params - 2 * 2 * 3 * 256 * 128 == 25_759_104
+
+
+def test_a_missing_mixtral_expert_is_named_as_its_checkpoint_names_it(checkpoints, tmp_path):
+    src = _copy(
+        checkpoints["mixtral"], tmp_path / "m", drop="model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    )
+    with pytest.raises(
+        UnsupportedFormatError, match=r"lacks 'model\.layers\.0\.block_sparse_moe\.experts\.1\.w3"
+    ):
+        hf_to_gguf(src, tmp_path / "m.gguf", "f16", progress=False)

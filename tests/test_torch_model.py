@@ -296,9 +296,23 @@ def test_quantizers_refuse_phi3s_fused_projections_by_name(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra)).save_pretrained(
         tmp_path / "src"
     )
-    with pytest.raises(ConfigError, match=r"q\|k\|v and gate\|up are fused in the checkpoint \(phi3\)"):
-        quantize_checkpoint(tmp_path / "src", tmp_path / "out", "rtn", group_size=32, progress=False)
+    for budget in (None, 5.0):  # refused before any work, --bits-budget's sensitivity pass included
+        with pytest.raises(ConfigError, match=r"q\|k\|v and gate\|up are fused in the checkpoint \(phi3\)"):
+            quantize_checkpoint(tmp_path / "src", tmp_path / "out", "rtn", group_size=32, bits_budget=budget,
+                                calib_tokens=torch.ones(1, 8, dtype=torch.long), progress=False)  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+def test_longrope_needs_its_original_context():
+    from quantserve.errors import UnsupportedFormatError
+
+    cfg = {**TINY, "architectures": ["Phi3ForCausalLM"],
+           "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 8, "short_factor": [1.0] * 8}}  # fmt: skip
+    with pytest.raises(UnsupportedFormatError, match="no original_max_position_embeddings"):
+        ModelArgs.from_hf_config(cfg)
+    su = ModelArgs.from_hf_config({**cfg, "original_max_position_embeddings": 64,
+                                   "rope_scaling": {**cfg["rope_scaling"], "rope_type": "su"}})  # fmt: skip
+    assert dict(su.rope_scaling)["rope_type"] == "longrope"  # Phi3Config renames its older configs' types too
 
 
 def test_mixtral_loads_under_its_own_names_and_its_quantizers_refuse(tmp_path):

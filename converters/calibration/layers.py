@@ -112,21 +112,7 @@ class QuantizeOptions:
             raise ConfigError(
                 f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
             )
-        if args.checkpoint_names:
-            raise ConfigError(
-                f"quantizing {args.arch}, whose checkpoint names its layers differently from quantserve's model, "
-                "is not supported yet; serve it with --quant int4 at load, or convert it to GGUF"
-            )
-        if args.fused:
-            raise ConfigError(
-                f"quantizing a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) is not "
-                "supported yet; serve it with --quant int4 at load, or convert it to GGUF"
-            )
-        if args.num_experts and self.method in ("awq", "awq-gptq"):
-            raise ConfigError(
-                f"{self.method} does not handle a mixture of experts yet (its scales would have to be shared by "
-                "every expert's gate and up); use --quant gptq or rtn for this model"
-            )
+        check_model(args, self.method)
         ff = args.moe_intermediate_size if args.num_experts else args.intermediate_size
         for name, k in (
             ("q/k/v/gate/up_proj", args.hidden_size),
@@ -140,6 +126,25 @@ class QuantizeOptions:
                 args.num_attention_heads * args.head_dim if kind == "o_proj" else args.hidden_size
             )  # fmt: skip
             check_quant_args(k, bits, group, prefix)
+
+
+def check_model(args: ModelArgs, method: str) -> None:
+    """Raises ConfigError for a model these quantizers cannot do (yet), naming why and what to do instead."""
+    if args.checkpoint_names:
+        raise ConfigError(
+            f"quantizing {args.arch}, whose checkpoint names its layers differently from quantserve's model, is "
+            "not supported yet; serve it with --quant int4 at load, or convert it to GGUF"
+        )
+    if args.fused:
+        raise ConfigError(
+            f"quantizing a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) is not "
+            "supported yet; serve it with --quant int4 at load, or convert it to GGUF"
+        )
+    if args.num_experts and method in ("awq", "awq-gptq"):
+        raise ConfigError(
+            f"{method} does not handle a mixture of experts yet (its scales would have to be shared by every "
+            "expert's gate and up); use --quant gptq or rtn for this model"
+        )
 
 
 class _Stop(Exception):

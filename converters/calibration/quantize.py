@@ -6,6 +6,7 @@ The library side of `quantserve convert --quant gptq|awq|rtn` and `--format`: th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from quantserve.converters.hf_quant import WriteOptions, write_quantized, writers
-from quantserve.errors import ConfigError
+from quantserve.errors import ConfigError, UnsupportedFormatError
 from quantserve.formats import detect
 from quantserve.formats.schemes import QuantScheme, schemes
 
@@ -110,6 +111,12 @@ def quantize_checkpoint(
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
+    if spec.config and not spec.scheme:  # a model these quantizers cannot do is refused before any work
+        from quantserve.backends.torch.args import ModelArgs
+        from quantserve.converters.calibration.layers import check_model
+
+        with contextlib.suppress(UnsupportedFormatError):  # a LLaVA: its language model is read later
+            check_model(ModelArgs.from_hf_config(spec.config), method)
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs
 

@@ -73,6 +73,8 @@ def _gguf_experts(md: dict[str, Any], arch: str | None) -> tuple[int, int, int, 
         "block_count",
     )
     values = [md.get(f"{arch}.{k}") for k in keys]
+    if values[3] is None:  # Mixtral's experts are its feed_forward_length wide
+        values[3] = md.get(f"{arch}.feed_forward_length")
     return tuple(values) if all(isinstance(v, int) for v in values) else None  # type: ignore[return-value]
 
 

@@ -147,7 +147,7 @@ class _Experts:
                     if (f"blk.{layer}.{suffix}", e) not in got:
                         hf = {g: h for h, g in self.spec.experts}[suffix]
                         raise UnsupportedFormatError(
-                            f"the checkpoint lacks 'model.layers.{layer}.mlp.experts.{e}.{hf}' ({self.count} "
+                            f"the checkpoint lacks 'model.layers.{layer}.{self.spec.expert_prefix}.{e}.{hf}' ({self.count} "
                             "experts in config.json); it is incomplete or its config is wrong"
                         )
 

@@ -70,6 +70,8 @@ class ModelArgs:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if arch == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's own renaming of its older configs
+            rope_type = "longrope"
         if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
             raise UnsupportedFormatError(
                 f"rope scaling {rope_type!r} is not supported by the torch backend (supported: linear, llama3, "
@@ -81,8 +83,14 @@ class ModelArgs:
                 f"partial rotary embeddings (partial_rotary_factor {partial}, as Phi-4-mini's) are not implemented "
                 "by the torch backend; use --backend llamacpp"
             )
-        if rope_type == "longrope":  # Phi-3 names its original context outside rope_scaling
-            rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if rope_type == "longrope":  # Phi-3 names its original context outside rope_scaling, which wins there
+            orig = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+            if not isinstance(orig, int):
+                raise UnsupportedFormatError(
+                    "config.json's longrope scaling has no original_max_position_embeddings (the context its short "
+                    "factors serve); the config is incomplete"
+                )
+            rope["original_max_position_embeddings"] = orig
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
         moe = _moe_args(cfg, renormalize=True if arch == "mixtral" else None) if arch in MOE else {}
