@@ -1,0 +1,67 @@
+"""Mixtral and Phi-3 under the torch backend's engine, on tiny random-weight checkpoints with SmolLM2's tokenizer: 4
+requests of different lengths batched under paged KV with prefix caching give transformers' greedy tokens for each
+alone (test_torch_moe.py does the same for Qwen3-MoE)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import triton  # noqa: F401 - before any test sets TRITON_INTERPRET (see test_w4a16_kernels.py)
+
+from quantserve.backends.torch.tokenizer import HFTokenizer
+from quantserve.backends.torch.weights import load_model
+from quantserve.formats import detect, read_gguf_info
+from tests.test_torch_engine import make_engine
+from tests.test_torch_moe import LONG, PROMPTS, _together
+
+SIZES = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+             eos_token_id=2)  # fmt: skip
+FAMILIES = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
+    ),
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**SIZES, pad_token_id=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    out = {}
+    for family, build in FAMILIES.items():
+        torch.manual_seed(0)
+        model = build()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                    p.normal_(0, 1.0)  # a router that prefers some experts
+                else:
+                    p.normal_(0, 0.1)
+        d = tmp_path_factory.mktemp(f"tiny-{len(out)}")
+        model.save_pretrained(d)
+        tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
+        out[family] = d
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_with_prefix_caching_equals_transformers_alone(family, checkpoints):
+    src = checkpoints[family]
+    model = load_model(detect(src), dtype=torch.float32, device=torch.device("cpu"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    engine, _ = make_engine((model, HFTokenizer.from_dir(src)), max_num_seqs=4, kv_tokens=1024, n_batch=8,
+                            caching=True)  # fmt: skip
+    assert _together(engine, PROMPTS, 10) == want  # chunks of 8 tokens mix prefill with decode
+    assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 32  # its first two blocks cached
+    assert engine.kv.num_used == 0
