@@ -2,6 +2,9 @@
 and fp16, at batch 1, 16 and 64, each step through the runner's own `execute` (host layout, the paged forward,
 greedy sampling), eager and replayed from CUDA graphs.
 
+`--shape qwen3-30b-a3b --layers 12` does the same for a mixture of experts (128 experts of 768, top-8): 4-bit
+experts stacked for the grouped kernel (kernels/w4a16_moe.py), against fp16 experts looped over.
+
     python bench/torch_decode.py --out decode.json                 # on a CUDA GPU
     python bench/torch_decode.py --cpu-smoke                       # tiny shape, CPU, eager only
 
@@ -26,6 +29,24 @@ LLAMA3_8B = dict(
     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
     max_position_embeddings=8192,
 )  # fmt: skip
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+)  # fmt: skip (Qwen/Qwen3-30B-A3B config.json)
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -42,8 +63,11 @@ def build(cfg: dict, bits: int | None, dtype: torch.dtype, device: torch.device)
     from quantserve.kernels.qweight import QuantizedWeight
 
     args = ModelArgs.from_hf_config(cfg)
-    prefixes = [f"model.layers.{i}.{name}" for i in range(args.num_hidden_layers) for name in LINEARS]
-    model = _empty_model(args, dtype, device, drop=prefixes if bits else ())
+    linears = LINEARS[:4] if args.num_experts else LINEARS
+    prefixes = [f"model.layers.{i}.{name}" for i in range(args.num_hidden_layers) for name in linears]
+    experts = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in range(args.num_hidden_layers)
+               for e in range(args.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
+    model = _empty_model(args, dtype, device, drop=prefixes + experts if bits else ())
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
@@ -64,8 +88,27 @@ def build(cfg: dict, bits: int | None, dtype: torch.dtype, device: torch.device)
             _set_module(
                 model, prefix, QuantLinear.from_quantized(qw, None, dtype=dtype, device=device, name=prefix)
             )
+        for layer in model.model.layers if args.num_experts else ():
+            layer.mlp.grouped = (
+                random_experts(args, bits, args.hidden_size, 2 * args.moe_intermediate_size, g),
+                random_experts(args, bits, args.moe_intermediate_size, args.hidden_size, g),
+            )
+            layer.mlp.experts = torch.nn.ModuleList()  # fmt: skip
     fuse_projections(model)  # as the server's loader does
     return model.eval()
+
+
+def random_experts(args, bits: int, k: int, n: int, g: torch.Generator):
+    """Every expert's weight of one projection, stacked in the grouped kernel's layout (what fuse.group_experts
+    makes of int4 experts), drawn at random on the device: 128 experts of a layer in one call."""
+    from quantserve.kernels.w4a16_moe import MoeState
+
+    e, device = args.num_experts, g.device
+    words = torch.randint(
+        -(2**31), 2**31 - 1, (e, k * bits // 32, n), generator=g, device=device, dtype=torch.int32
+    )
+    scales = (torch.rand(e, k // 128, n, generator=g, device=device) * 0.01).half()
+    return MoeState(words, scales, None, bits, 128, k, n)
 
 
 def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, runner) -> float:
@@ -102,6 +145,8 @@ def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, runner) -
 def parser() -> argparse.ArgumentParser:
     """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape")
+    ap.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0: all)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--steps", type=int, default=64)
@@ -122,7 +167,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
-    cfg, dtype = (TINY, torch.float32) if smoke else (LLAMA3_8B, torch.float16)
+    cfg, dtype = (TINY, torch.float32) if smoke else (SHAPES[args.shape], torch.float16)
+    if smoke and args.shape != "llama3-8b":  # the MoE's tiny twin
+        cfg = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_experts=8,
+                   num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    if args.layers or smoke:
+        cfg = dict(cfg, num_hidden_layers=args.layers or 2)
     batches = [int(b) for b in args.batches.split(",")]
     modes = ["eager"] if smoke else args.modes.split(",")
     rows, errors = [], []
@@ -159,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     info = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "shape": "tiny (smoke)" if smoke else "Llama-3-8B", "ctx": args.ctx,
+        "torch": torch.__version__, "shape": ("tiny (smoke) " if smoke else "") + args.shape, "ctx": args.ctx,
+        "layers": cfg["num_hidden_layers"],
         "steps": args.steps, "rows": rows, "errors": errors,
     }  # fmt: skip
     print("| weights | mode | batch | tok/s |\n|---|---|---|---|")

@@ -73,7 +73,7 @@ def test_dequantize_is_exact_on_the_device(group, zp, act, bits):
     assert torch.equal(marlin_dequantize(prepare_marlin(to_cuda(mw)), F32).cpu(), dequantize_marlin(mw))
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "phi3"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_model_matches_transformers_on_the_device(case, dtype, tmp_path):
     """Ours in half precision on the GPU against transformers in fp32 on the CPU, same weights."""

@@ -40,10 +40,8 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def moe_dir(smollm2_gguf, tmp_path_factory) -> Path:
-    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
-
+def save_tiny_moe(d: Path) -> Path:
+    """The tiny random Qwen3-MoE checkpoint (no tokenizer) in d."""
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG))
     with torch.no_grad():
@@ -54,8 +52,15 @@ def moe_dir(smollm2_gguf, tmp_path_factory) -> Path:
                 p.normal_(0, 1.0)  # a router that prefers some experts, so that routing matters
             else:
                 p.normal_(0, 0.1)
-    d = tmp_path_factory.mktemp("qwen3moe")
     model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def moe_dir(smollm2_gguf, tmp_path_factory) -> Path:
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    d = save_tiny_moe(tmp_path_factory.mktemp("qwen3moe"))
     tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
     return d
 
@@ -115,6 +120,44 @@ def test_batched_greedy_with_prefix_caching_equals_transformers_alone(moe_dir):
     assert _together(engine, PROMPTS, 10) == want  # 4 requests; chunks of 8 tokens mix prefill with decode
     assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 32  # its first two blocks cached
     assert engine.kv.num_used == 0
+
+
+def _experts_on_triton(model) -> None:
+    """Every expert's linear prepared for the Triton W4A16 kernel (its interpreter here), as a GPU would have it."""
+    for layer in model.model.layers:
+        for expert in layer.mlp.experts:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                p = getattr(expert, name)
+                cpu = torch.device("cpu")
+                q = QuantLinear.from_marlin(p.marlin, None, dtype=torch.float32, device=cpu, name=p.name,
+                                            kernel="triton_w4a16")  # fmt: skip
+                setattr(expert, name, q)
+
+
+def test_grouped_kernel_equals_transformers_batched_and_alone(moe_dir, tmp_path, monkeypatch):
+    """int4 experts stacked for the grouped kernel (kernels/w4a16_moe.py, interpreted): the per-expert copies are
+    gone, the logits are transformers' on the dequantized weights, and 4 requests batched under paged KV give
+    transformers' greedy tokens for each alone."""
+    from quantserve.backends.torch.fuse import fuse_projections
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ours = load_model(detect(moe_dir), dtype=torch.float32, device=torch.device("cpu"), quant="int4")
+    _experts_on_triton(ours)
+    fuse_projections(ours)
+    assert all(x.mlp.grouped is not None and len(x.mlp.experts) == 0 for x in ours.model.layers)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        _dequantized_copy(moe_dir, tmp_path / "dq")
+    ).eval()
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours.compute_logits(ours(ids))
+        alone = [ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p) :]
+                 for p in PROMPTS]  # fmt: skip
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    engine, _ = make_engine((ours, HFTokenizer.from_dir(moe_dir)), max_num_seqs=4, kv_tokens=1024, n_batch=8,
+                            caching=True)  # fmt: skip
+    assert _together(engine, PROMPTS, 6) == [a.tolist() for a in alone]
 
 
 def test_a_router_that_disagrees_with_num_experts_is_refused(moe_dir, tmp_path):

@@ -47,6 +47,10 @@ def render(results: dict) -> str:
         lines += ["", "## CUDA tests", "", _tests(steps["cuda-tests"].get("result", {}))]
     if (r := steps.get("gemm", {}).get("result")) and r.get("rows"):
         lines += ["", "## W4A16 GEMM", "", *_gemm(r)]
+    if r := steps.get("moe-layer", {}).get("result"):
+        lines += ["", "## MoE layer (grouped W4A16)", "", r.get("markdown", "no table")]
+    if r := steps.get("moe-decode", {}).get("result"):
+        lines += ["", "## MoE decode", "", *_decode(r)]
     if (r := steps.get("gemm-sweep", {}).get("result")) and r.get("rows"):
         lines += ["", "## W4A16 launch-config sweep", "", *_gemm(r)]
     elif r:
@@ -138,7 +142,7 @@ def _decode(r: dict) -> list[str]:
             best[row["batch"]] = max(best.get(row["batch"], 0.0), row["tok_per_s"])
     for err in r.get("errors", []):
         out.append(f"\nerror: {err}")
-    if r.get("shape") == "Llama-3-8B":
+    if r.get("shape") in ("Llama-3-8B", "llama3-8b"):
         out += ["", "| target | measured (best mode) | |", "|---|---|---|"]
         for batch, key in ((1, "decode_b1"), (16, "decode_b16")):
             got = best.get(batch)

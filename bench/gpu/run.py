@@ -37,6 +37,8 @@ CUDA_TESTS = [
     "tests/test_paged_attention.py",
     "tests/test_torch_graphs.py",
     "tests/test_fused_kernels.py",
+    "tests/test_moe_kernel.py",
+    "tests/test_cuda_moe.py",
 ]
 
 
@@ -66,6 +68,8 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     serve += ["--", *run_args] if run_args else []
     gemm = [py, str(ROOT / "bench/w4a16_gemm.py")]
     decode = [py, str(ROOT / "bench/torch_decode.py")]
+    moe = [py, str(ROOT / "bench/moe_gemm.py")]
+    moe_decode = decode + ["--shape", "qwen3-30b-a3b"]
     env = Step("env", [py, str(ROOT / "bench/gpu/env_info.py"), str(out / "env.json")], 30, "env.json")
     if smoke:
         # On the CPU every `cuda` test skips: this proves the files collect without a GPU or llama.cpp.
@@ -82,6 +86,20 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                 "decode.json",
             ),  # fmt: skip
             Step("serve", serve, 300, "serve.json"),
+            Step(
+                "moe-layer",
+                moe + ["--cpu-smoke", "--out", str(out / "moe-layer.json")],
+                120,
+                "moe-layer.json",
+            ),
+            Step(
+                "moe-decode",
+                moe_decode
+                + ["--cpu-smoke", "--batches", "1,4", "--steps", "3", "--warmup", "1", "--out"]
+                + [str(out / "moe-decode.json")],
+                240,
+                "moe-decode.json",
+            ),  # fmt: skip
         ]
     # The numbers first: a step that overruns only cuts what comes after it.
     return [
@@ -95,7 +113,15 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
         Step(
             "decode", decode + ["--batches", "1,16,64", "--out", str(out / "decode.json")], 100, "decode.json"
         ),
-        Step("cuda-tests", tests + CUDA_TESTS, 170, None),
+        Step("cuda-tests", tests + CUDA_TESTS, 240, None),
+        # a mixture of experts: one Qwen3-30B-A3B layer against its peers, then decode of 12 of its 48 layers
+        Step("moe-layer", moe + ["--out", str(out / "moe-layer.json")], 90, "moe-layer.json"),
+        Step(
+            "moe-decode",
+            moe_decode + ["--layers", "12", "--batches", "1,16,64", "--out", str(out / "moe-decode.json")],
+            120,
+            "moe-decode.json",
+        ),
         Step("serve", serve, 60, "serve.json"),
         # last, with what time is left: launch configs around the heuristic on the large shapes
         Step(

@@ -6,6 +6,8 @@ work. Dense weights are concatenated; Marlin weights are concatenated in their p
 the repack (kernels/marlin.py, concat_n). Linears that cannot be fused (a mix of dense and quantized, different
 group sizes or act-order permutations) stay as they are. The checkpoint's names stay on the unfused modules until
 this runs; nothing loads weights after it.
+
+A mixture of experts' quantized experts are stacked for the grouped kernel here too (`group_experts`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import torch
 from torch import nn
 
 from quantserve.backends.torch.model import Transformer
+from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.quant_linear import QuantLinear
 from quantserve.kernels.marlin import concat_n
 from quantserve.kernels.qweight import QuantLayoutError
+from quantserve.kernels.w4a16_moe import stack_experts
+from quantserve.kernels.w4a16_plain import PlainState
 
 log = logging.getLogger("quantserve.torch")
 
@@ -75,7 +80,7 @@ def fuse_projections(model: Transformer) -> int:
             attn.qkv_proj = qkv
             del attn.q_proj, attn.k_proj, attn.v_proj
             count += 1
-        if not hasattr(mlp, "gate_proj"):  # a mixture of experts: each expert keeps its own projections
+        if isinstance(mlp, SparseMoe):
             continue
         gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj], f"model.layers.{i}.mlp.gate_up_proj")
         if gate_up is not None:
@@ -83,7 +88,37 @@ def fuse_projections(model: Transformer) -> int:
             del mlp.gate_proj, mlp.up_proj
             count += 1
     log.info("fused %d of %d linear groups (q|k|v, gate|up)", count, 2 * len(model.model.layers))
+    moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoe)]
+    if moe:
+        grouped = sum(group_experts(m) for m in moe)
+        log.info("%d of %d expert layers run on the grouped W4A16 kernel", grouped, len(moe))
     for m in model.modules():  # the kernels hold their own copies (or the same tensors): no second one stays
         if isinstance(m, QuantLinear):
             m.marlin = None
     return count
+
+
+def group_experts(moe: SparseMoe) -> bool:
+    """Stack a MoE layer's experts for the grouped kernel (kernels/w4a16_moe.py) and drop their per-expert copies,
+    when every projection is a bias-free Triton W4A16 linear on the K-packed layout with the same bits, groups and
+    zero-point kind. Returns whether it did; the layer keeps its per-expert loop otherwise."""
+    if moe.grouped is not None or not len(moe.experts):  # stacked already
+        return moe.grouped is not None
+    parts = [(e.gate_proj, e.up_proj, e.down_proj) for e in moe.experts]
+    ok = all(
+        isinstance(p, QuantLinear)
+        and p.bias is None
+        and p.layer.kernel.name == "triton_w4a16"
+        and isinstance(p.layer.state, PlainState)
+        for trio in parts
+        for p in trio
+    )
+    if not ok:
+        return False
+    gate_up = stack_experts([[g.layer.state, u.layer.state] for g, u, _ in parts])
+    down = stack_experts([[d.layer.state] for _, _, d in parts])
+    if gate_up is None or down is None:
+        return False
+    moe.grouped = (gate_up, down)
+    moe.experts = nn.ModuleList()  # the stacked copy is the only one now
+    return True

@@ -5,10 +5,13 @@ experts run, and their outputs are summed with those weights (renormalised to su
 `norm_topk_prob`). Each expert is a gated MLP under the checkpoint's own names (`mlp.experts.E.gate_proj` …), so a
 state dict loads verbatim, int4 at load quantizes every expert like any linear, and the weights are stored once.
 
-This is the correct path for every device: tokens are grouped by expert and each expert runs one GEMM over its
-tokens, as transformers' loop does. Grouping reads which experts were chosen on the host, so a MoE model runs its
-decode step eagerly (no CUDA graph). A grouped W4A16 kernel that runs every expert in one launch (vLLM's
-fused_moe) is not written yet.
+Two paths:
+- grouped (`grouped` set after loading, by backends/torch/fuse.py, where every expert is a Triton W4A16 linear on
+  the K-packed layout): the experts' weights stacked once, and the whole layer in two launches of
+  kernels/w4a16_moe.py (vLLM's fused_moe design). Nothing is read back to the host, so a CUDA graph holds it.
+- per expert, for every other case (dense experts, the CPU kernels, act-order): tokens are grouped by expert and
+  each expert runs one GEMM over its tokens, as transformers' loop does. It reads which experts were chosen on the
+  host, so such a model runs its decode step eagerly (no CUDA graph).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantserve.kernels.w4a16_moe import MoeState, fused_moe
 
 
 class Expert(nn.Module):
@@ -39,6 +44,7 @@ class SparseMoe(nn.Module):
         # calibration (converters/calibration): every expert runs on every token, so that each sees inputs to
         # quantize against; the output still sums the routed experts only
         self.calibrate_all = False
+        self.grouped: tuple[MoeState, MoeState] | None = None  # (gate|up, down) of every expert, stacked
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [N, k] and their weights [N, k] (in x's dtype), for x [N, hidden]."""
@@ -51,6 +57,9 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         chosen, weights = self.route(flat)
+        if self.grouped is not None:
+            interpret = flat.device.type == "cpu"  # Triton runs CPU tensors only in its interpreter (tests)
+            return fused_moe(flat, *self.grouped, chosen, weights, interpret=interpret).reshape(x.shape)
         out = torch.zeros_like(flat)
         if self.calibrate_all:
             for e, expert in enumerate(self.experts):

@@ -11,6 +11,7 @@ import torch
 
 from quantserve.backends.torch.graphs import DecodeGraphs
 from quantserve.backends.torch.model import KVCache, Transformer
+from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.backends.torch.step import prepare_step
 from quantserve.core.model_size import Shape, torch_kv
@@ -131,10 +132,12 @@ class TorchRunner:
             )
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
-            if a.num_experts or dict(a.rope_scaling).get("rope_type") == "longrope":
-                # a MoE routes on the host; LongRoPE picks its table by the step's longest position
+            looped = any(isinstance(x.mlp, SparseMoe) and x.mlp.grouped is None for x in model.model.layers)
+            if looped or dict(a.rope_scaling).get("rope_type") == "longrope":
+                # experts looped over route on the host; LongRoPE picks its table by the step's longest position
                 log.info(
-                    "this model's decode step runs without CUDA graphs (a mixture of experts, or LongRoPE)"
+                    "this model's decode step runs without CUDA graphs (experts that are not all on the grouped "
+                    "W4A16 kernel, or LongRoPE)"
                 )
             else:
                 self.graphs = self.decode_graphs(capture=True)
