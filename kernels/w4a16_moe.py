@@ -11,7 +11,7 @@ the experts costs one launch per chosen expert and a host sync to learn which we
    second), and runs the K loop of w4a16_plain.py's kernel on that expert's slice of the stacked weight. Blocks
    past the padded total return at once; padding rows are masked.
 3. `fused_moe` does gate|up (one GEMM, N = 2 I), silu(gate) * up, down with each slot's routing weight, and the
-   sum over each token's k slots.
+   sum over each token's k slots. At decode (BLOCK_M = 1) nothing is sorted: each slot is its own block.
 
 The stacked weight (`MoeState`) is the experts' K-packed copies (w4a16_plain.py) laid side by side, [E, K / P, N]
 words with [E, n_groups, N] scales and zero points: each expert's weight is stored once and never dequantized.
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .fused import silu_mul, silu_mul_ref
 from .w4a16_plain import PlainState
 
 tl: Any = None  # triton.language, bound on first use
@@ -97,6 +98,9 @@ def align_by_expert(
     """
     flat = topk_ids.reshape(-1).long()
     s = flat.numel()
+    if block_m == 1:  # every slot a block of its own: nothing to sort or pad
+        slots = torch.arange(s, dtype=torch.int32, device=flat.device)
+        return slots, flat.to(torch.int32), slots.new_full((1,), s)
     counts = torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
@@ -205,7 +209,7 @@ def moe_gemm(
     # The interpreter truncates fp32 -> bf16 and mishandles bf16 dots (w4a16_plain.py): compute in fp32 there.
     bf16_fix = interpret and x.dtype == torch.bfloat16
     xs = x.float() if bf16_fix else x.contiguous()
-    out = torch.zeros(out_rows, n, device=x.device, dtype=xs.dtype)
+    out = torch.empty(out_rows, n, device=x.device, dtype=xs.dtype)  # every slot's row is written once
     rw = routed_weights.reshape(-1).contiguous() if routed_weights is not None else sorted_slots
     dummy = state.qweight
     grid = (sorted_slots.numel() // block_m, -(-n // block_n))
@@ -236,8 +240,7 @@ def fused_moe(
     block_m = choose_block_m(slots, gate_up.n_experts)
     aligned = align_by_expert(topk_ids, gate_up.n_experts, block_m)
     h = moe_gemm(x, gate_up, aligned, block_m, top_k, slots, interpret=interpret)  # [S, 2I]
-    inter = gate_up.N // 2
-    act = torch.nn.functional.silu(h[:, :inter].float()).mul_(h[:, inter:].float()).to(x.dtype)
+    act = silu_mul(h) if x.is_cuda else silu_mul_ref(h)  # [S, I]
     y = moe_gemm(act, down, aligned, block_m, 0, slots, topk_weights.to(torch.float32), interpret)  # [S, H]
     return y.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
 

