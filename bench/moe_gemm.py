@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,19 +76,11 @@ def grouped_mm(x, ids, weights, gu: torch.Tensor, dn: torch.Tensor) -> torch.Ten
 
 
 def event_ms(call, iters: int = 20, repeats: int = 5) -> float:
+    from w4a16_gemm import event_median_ms
+
     for _ in range(3):
         call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
+    return event_median_ms(call, iters, repeats)
 
 
 def graph_ms(call, iters: int = 20, repeats: int = 5) -> float:

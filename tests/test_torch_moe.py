@@ -81,6 +81,15 @@ def _dequantized_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def assert_logits_match(ours, ref, ids: list[int]) -> None:
+    """Our prompt logits equal the reference's to 1e-3 of the logit scale."""
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        want = ref(t).logits
+        got = ours.compute_logits(ours(t))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+
+
 def test_int4_at_load_equals_transformers_on_the_dequantized_weights(moe_dir, tmp_path):
     ours = load_model(detect(moe_dir), dtype=torch.float32, device=torch.device("cpu"), quant="int4")
     layer = ours.model.layers[0].mlp
@@ -91,11 +100,7 @@ def test_int4_at_load_equals_transformers_on_the_dequantized_weights(moe_dir, tm
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         _dequantized_copy(moe_dir, tmp_path / "dq")
     ).eval()
-    ids = torch.tensor([PROMPTS[2]])
-    with torch.no_grad():
-        want = ref(ids).logits
-        got = ours.compute_logits(ours(ids))
-    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    assert_logits_match(ours, ref, PROMPTS[2])
 
 
 def _together(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -151,13 +156,10 @@ def test_grouped_kernel_equals_transformers_batched_and_alone(moe_dir, tmp_path,
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         _dequantized_copy(moe_dir, tmp_path / "dq")
     ).eval()
-    ids = torch.tensor([PROMPTS[2]])
+    assert_logits_match(ours, ref, PROMPTS[2])
     with torch.no_grad():
-        want = ref(ids).logits
-        got = ours.compute_logits(ours(ids))
         alone = [ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p) :]
                  for p in PROMPTS]  # fmt: skip
-    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
     engine, _ = make_engine((ours, HFTokenizer.from_dir(moe_dir)), max_num_seqs=4, kv_tokens=1024, n_batch=8,
                             caching=True)  # fmt: skip
     assert _together(engine, PROMPTS, 6) == [a.tolist() for a in alone]
@@ -197,11 +199,7 @@ def test_quantserve_convert_writes_a_moe_checkpoint_the_torch_backend_serves(met
     assert isinstance(ours.model.layers[1].mlp.experts[3].down_proj, QuantLinear)
     ref_dir = dequantize_checkpoint(out, tmp_path / "dq", dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPTS[2]])
-    with torch.no_grad():
-        want = ref(ids).logits
-        got = ours.compute_logits(ours(ids))
-    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    assert_logits_match(ours, ref, PROMPTS[2])
 
 
 def test_calibration_gives_every_expert_every_token(moe_dir):
