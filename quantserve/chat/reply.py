@@ -240,6 +240,7 @@ class JsonCallParser(ReplyParser):
         self.scanner: JsonScanner | None = None
         self._scan_from = 0  # where in self.text the scanner's text starts
         self._fed = 0
+        self.state = "text"  # each format's own steps; "junk" after a malformed call (see _read_args)
 
     def _scan(self, at: int) -> JsonScanner:
         self.scanner = JsonScanner()
@@ -260,6 +261,21 @@ class JsonCallParser(ReplyParser):
         """Index in self.text just past the scanned value (once the scanner is done)."""
         assert self.scanner is not None
         return self._scan_from + self.scanner.end
+
+    def _read_args(self, final: bool, out: list[Event]) -> bool:
+        """Feed the last call's JSON arguments what is new and add their events to `out`. True once they are
+        whole (self.cur is then past them). False when reading stops here: more text is needed, or they are
+        malformed (self.malformed set, and self.state "junk": nothing after a malformed call is read)."""
+        sc = self._advance(final)
+        out += self.calls[-1].poll()
+        if sc.error or self.calls[-1].rejected:
+            self.malformed = True
+            self.state = "junk"
+            return False
+        if not sc.done:
+            return False
+        self.cur = self._scan_end()
+        return True
 
 
 class ReplyAssembler:

@@ -117,15 +117,8 @@ class HarmonyParser(JsonCallParser):
                 self.cur = k + (0 if marker == CALL_HEAD else len(marker))  # the role begins the next header
                 self.state = "message"
             if self.state == "args":
-                sc = self._advance(final)
-                out += self.calls[-1].poll()
-                if sc.error or self.calls[-1].rejected:
-                    self.malformed = True
-                    self.state = "junk"
+                if not self._read_args(final, out):
                     return out
-                if not sc.done:
-                    return out
-                self.cur = self._scan_end()
                 rest = self.text[self.cur :].lstrip()
                 for marker in ENDS:
                     if rest.startswith(marker):

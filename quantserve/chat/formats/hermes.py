@@ -54,15 +54,8 @@ class HermesParser(JsonCallParser):
                 self._call(self._scan(self.cur), ())
                 self.state = "call"
             if self.state == "call":
-                sc = self._advance(final)
-                out += self.calls[-1].poll()
-                if sc.error or self.calls[-1].rejected:
-                    self.malformed = True
-                    self.state = "junk"
+                if not self._read_args(final, out):
                     return out
-                if not sc.done:
-                    return out
-                self.cur = self._scan_end()
                 self.state = "close"
             if self.state == "close":
                 rest = self.text[self.cur :].lstrip()

@@ -136,15 +136,8 @@ class MarkedParser(JsonCallParser):
                 self._call(self._scan(found.end()), (), name=found.group("name").strip(), call_id=call_id)
                 self.state = "args"
             if self.state == "args":
-                sc = self._advance(final)
-                out += self.calls[-1].poll()
-                if sc.error or self.calls[-1].rejected:
-                    self.malformed = True
-                    self.state = "junk"
+                if not self._read_args(final, out):
                     return out
-                if not sc.done:
-                    return out
-                self.cur = self._scan_end()
                 self.state = "close"
             if self.state == "close":
                 rest = self.text[self.cur :].lstrip()

@@ -97,6 +97,8 @@ class MistralParser(JsonCallParser):
     def _parse(self, final: bool) -> list[Event]:
         out: list[Event] = []
         while True:
+            if self.state == "junk":  # after a malformed call
+                return out
             if self.state == "text":
                 events, found = self._text_until(TOOL_CALLS, final)
                 out += events
@@ -150,12 +152,6 @@ class MistralParser(JsonCallParser):
                 self._call(self._scan(self.cur), (), name=self.name, call_id=call_id)
                 self.state = "argscan"
             if self.state == "argscan":
-                sc = self._advance(final)
-                out += self.calls[-1].poll()
-                if sc.error or self.calls[-1].rejected:
-                    self.malformed = True
+                if not self._read_args(final, out):
                     return out
-                if not sc.done:
-                    return out
-                self.cur = self._scan_end()
                 self.state = "text"

@@ -77,16 +77,9 @@ class RecipientParser(JsonCallParser):
                     return out
                 self.state = "recipient"
             if self.state == "args":
-                sc = self._advance(final)
-                out += self.calls[-1].poll()
-                if sc.error or self.calls[-1].rejected:
-                    self.malformed = True
-                    self.state = "junk"
+                if not self._read_args(final, out):
+                    self.cut = final and not self.malformed
                     return out
-                if not sc.done:
-                    self.cut = final
-                    return out
-                self.cur = self._scan_end()
                 rest = self.text[self.cur :].lstrip()
                 if rest.startswith(NEXT):
                     self.cur, self.state = len(self.text) - len(rest) + len(NEXT), "recipient"
