@@ -227,6 +227,14 @@ class ReplyParser(ABC):
     def finish(self) -> list[Event]:
         return self._parse(final=True)
 
+    def _whole_call(self, name: str, args: object) -> list[Event]:
+        """Add a call read whole and return its events. A name that is not a tool makes the reply malformed."""
+        call = WholeCall(len(self.calls), self.new_id(), name, self.tools, args)
+        self.calls.append(call)  # type: ignore[arg-type]
+        if call.rejected:
+            self.malformed = True
+        return call.poll()
+
     @abstractmethod
     def _parse(self, final: bool) -> list[Event]:
         """Read what is new in self.text (all of it, when final) and return the events it makes."""

@@ -17,7 +17,7 @@ from quantserve.chat.formats import (
     trigger_rule,
 )
 from quantserve.chat.reasoning import holdback
-from quantserve.chat.reply import Event, ReplyParser, WholeCall
+from quantserve.chat.reply import Event, ReplyParser
 from quantserve.structured import Grammar, lark_literal, lark_text
 
 OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
@@ -233,11 +233,8 @@ class Gemma4Parser(ReplyParser):
                 except ValueError:
                     self.malformed = True
                     return out
-                call = WholeCall(len(self.calls), self.new_id(), self.name, self.tools, args)
-                self.calls.append(call)  # type: ignore[arg-type]
-                out += call.poll()
-                if call.rejected:
-                    self.malformed = True
+                out += self._whole_call(self.name, args)
+                if self.malformed:
                     return out
                 self.cur = end
                 self.state = "close"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, one_of, trigger_rule
-from quantserve.chat.reply import CallStream, Event, JsonCallParser, WholeCall, cut_char
+from quantserve.chat.reply import CallStream, Event, JsonCallParser, cut_char
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, embeddable, json_rule, lark_text
 
@@ -179,9 +179,7 @@ class JsonListParser(JsonCallParser):
             self.malformed = True
             return []
         ((name, args),) = item.items()
-        call = WholeCall(len(self.calls), self.new_id(), name, self.tools, args)
-        self.calls.append(call)  # type: ignore[arg-type]
-        return call.poll()
+        return self._whole_call(name, args)
 
 
 class NemotronV2(JsonList):

@@ -19,7 +19,7 @@ from quantserve.chat.formats import (
     keyword_sequence,
     trigger_rule,
 )
-from quantserve.chat.reply import Event, ReplyParser, WholeCall
+from quantserve.chat.reply import Event, ReplyParser
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, json_rule, lark_literal, lark_text
 
@@ -134,11 +134,8 @@ class Lfm2Parser(ReplyParser):
                     calls = _complete_ones(body)  # cut off: the calls written in full
                     self.cut = True
                 for name, args in calls:
-                    call = WholeCall(len(self.calls), self.new_id(), name, self.tools, args)
-                    self.calls.append(call)  # type: ignore[arg-type]
-                    out += call.poll()
-                    if call.rejected:
-                        self.malformed = True
+                    out += self._whole_call(name, args)
+                    if self.malformed:
                         return out
                 if end == -1:
                     return out

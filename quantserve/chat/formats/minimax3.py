@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar, trigger_rule
-from quantserve.chat.reply import Event, ReplyParser, WholeCall, cut_char
+from quantserve.chat.reply import Event, ReplyParser, cut_char
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, json_rule, lark_literal, lark_text
 
@@ -213,10 +213,7 @@ class MiniMaxM3Parser(ReplyParser):
                 if not isinstance(args, dict):
                     self.malformed = True
                     return out
-                call = WholeCall(len(self.calls), self.new_id(), name, self.tools, args)
-                self.calls.append(call)  # type: ignore[arg-type]
-                out += call.poll()
-                if call.rejected:
-                    self.malformed = True
+                out += self._whole_call(name, args)
+                if self.malformed:
                     return out
                 self.cur = end + len(INVOKE_END)

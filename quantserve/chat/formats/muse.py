@@ -20,7 +20,7 @@ import re
 from quantserve.chat.formats import TEXT_RULE, GrammarSpec, ToolFormat, calls_grammar
 from quantserve.chat.formats.tagged import TaggedParser, tags_of, tool_rules
 from quantserve.chat.reasoning import holdback
-from quantserve.chat.reply import Event, ReplyParser, WholeCall
+from quantserve.chat.reply import Event, ReplyParser
 from quantserve.chat.tools import Tool
 from quantserve.structured import Grammar, lark_literal, lark_text
 
@@ -135,7 +135,5 @@ class MuseParser(ReplyParser):
         self.cut = self.cut or inner.cut
         out: list[Event] = []
         for c in done:
-            call = WholeCall(len(self.calls), self.new_id(), c.name, self.tools, json.loads(c.arguments))
-            self.calls.append(call)  # type: ignore[arg-type]
-            out += call.poll()
+            out += self._whole_call(c.name, json.loads(c.arguments))
         return out
