@@ -140,6 +140,11 @@ def check_model(args: ModelArgs, method: str) -> None:
             f"quantizing a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) is not "
             "supported yet; serve it with --quant int4 at load, or convert it to GGUF"
         )
+    if args.sandwich_norms:
+        raise ConfigError(
+            f"quantizing {args.arch} (Gemma's windowed layers and norms around each block) is not supported yet; "
+            "serve it with --quant int4 at load"
+        )
     if args.num_experts and method in ("awq", "awq-gptq"):
         raise ConfigError(
             f"{method} does not handle a mixture of experts yet (its scales would have to be shared by every "

@@ -38,6 +38,18 @@ class ModelArgs:
     # phi3: attention within this many tokens (0: none); the model attends over everything, so its context is cut
     # to the window, where the two agree (context_limit)
     sliding_window: int = 0
+    # gemma2 / gemma3: (1 + w) norms (norm_offset 1, added at load), the embedding scaled by sqrt(hidden), GeGLU,
+    # a norm after attention and around the MLP (sandwich), q.k scaled by query_pre_attn_scalar^-1/2, tanh caps
+    # on the attention and final logits (gemma2), and layers that attend within a window
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh"
+    query_pre_attn_scalar: float = 0.0  # 0: head_dim
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    layer_windows: tuple[int, ...] = ()  # per layer: attend to the last N positions (0: all); empty: none
+    rope_local_theta: float = 0.0  # gemma3: the windowed layers' rope base (no scaling); 0: one rope for all
     # how the checkpoint's names differ from this model's (Mixtral: `block_sparse_moe.experts.E.w1`), as
     # (theirs, ours) fragments
     checkpoint_names: tuple[tuple[str, str], ...] = ()
@@ -66,8 +78,11 @@ class ModelArgs:
                 f"(supported: {', '.join(known)}); use --backend llamacpp with a GGUF"
             )
         heads = cfg["num_attention_heads"]
-        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters (per layer type for gemma3).
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        gemma = _gemma_args(cfg, rope, arch) if arch in GEMMA else {}
+        if "full_attention" in rope:
+            rope = dict(rope["full_attention"])
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if arch == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config's own renaming of its older configs
@@ -107,15 +122,57 @@ class ModelArgs:
             rope_theta=theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             # Llama/Qwen2 default to untied; a missing lm_head is caught when loading weights.
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),  # Gemma ties by default
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             rope_scaling=scaling,
             **moe,
             fused=arch == "phi3",
             sliding_window=int(cfg.get("sliding_window") or 0) if arch in ("phi3", "mixtral") else 0,
             checkpoint_names=MIXTRAL_NAMES if arch == "mixtral" else (),
+            **gemma,
         )
+
+
+GEMMA = ("gemma2", "gemma3_text")
+
+
+def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 2 / 3's own fields (transformers' Gemma2Config / Gemma3TextConfig names and defaults).
+
+    Raises:
+        UnsupportedFormatError: an activation other than tanh-approximated GELU, or layer types it does not name.
+    """
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedFormatError(
+            f"Gemma with activation {act!r}: the torch backend runs gelu_pytorch_tanh"
+        )
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if (
+        types is None
+    ):  # configs before transformers 4.53: gemma2 alternates, gemma3 has a pattern (5 local, 1 global)
+        every = cfg.get("sliding_window_pattern") or (6 if arch == "gemma3_text" else 2)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedFormatError(
+            f"config.json's layer_types {types!r} does not name sliding_attention or full_attention for each of "
+            f"its {n} layers"
+        )
+    window = int(cfg.get("sliding_window") or 4096)
+    local = rope.get("sliding_attention", {}).get("rope_theta") or cfg.get("rope_local_base_freq")
+    return {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "hidden_act": "gelu_tanh",
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+        "attn_softcap": float(cfg.get("attn_logit_softcapping") or 0.0),
+        "final_softcap": float(cfg.get("final_logit_softcapping") or 0.0),
+        "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
+        "rope_local_theta": float(local or 10000.0) if arch == "gemma3_text" else 0.0,
+    }
 
 
 MOE = ("qwen3_moe", "mixtral")

@@ -1,5 +1,7 @@
-"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, qwen3_moe) in plain PyTorch, in the spirit of
-gpt-fast. A qwen3_moe layer's MLP is a mixture of experts (moe.py).
+"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, gemma2, gemma3) in
+plain PyTorch, in the spirit of gpt-fast. A qwen3_moe or mixtral layer's MLP is a mixture of experts (moe.py).
+Gemma's differences (ModelArgs says which apply): norms around attention and the MLP, GeGLU, a scaled embedding,
+query_pre_attn_scalar, tanh caps on the logits, windowed layers with their own rope base.
 
 Module and parameter names are the HF checkpoint's (`model.layers.3.self_attn.q_proj.weight`), so a state dict loads
 verbatim. Two ways to run it:
@@ -10,6 +12,8 @@ The model keeps one rotary table; a forward looks its positions up once and hand
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +54,38 @@ class KVCache:
         self.v = torch.zeros(num_cells, n_kv, head_dim, dtype=dtype, device=device)
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of q [B, H, Q, D] over k, v [B, KV, C, D]; `mask` bool, broadcastable to [B, H, Q, C] (True:
+    attend), None: causal. With `softcap`, the scores are capped by softcap * tanh(s / softcap) before the
+    softmax (Gemma 2), which SDPA cannot do: computed in fp32 as transformers' eager attention does."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1).float(), v.repeat_interleave(rep, dim=1).float()
+    s = (q.float() @ k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
+
+
+def window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
+    """bool [T, T]: causal, within the last `window` positions (transformers' sliding-window mask)."""
+    i = torch.arange(t, device=device)
+    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
             args.num_attention_heads,
@@ -71,6 +105,9 @@ class Attention(nn.Module):
         # q|k|v in one: as the checkpoint has it (phi3), or fused after loading (backends/torch/fuse.py)
         self.qkv_proj: nn.Module | None = nn.Linear(d, sum(sizes), bias=bias) if args.fused else None
         self.qkv_sizes = sizes
+        self.scale = (args.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = args.attn_softcap
+        self.window = args.layer_windows[layer_idx] if args.layer_windows else 0
         self.cache: KVCache | None = None  # set by the runner for paged serving
         self.triton_ops = (
             False  # rotary embedding and KV write in one Triton kernel: set by use_fused_kernels
@@ -91,8 +128,9 @@ class Attention(nn.Module):
         cos, sin = rope
         if step is None:  # [B, T, H, D] -> SDPA's [B, H, T, D]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            mask = window_mask(q.shape[1], self.window, q.device) if self.window else None
+            out = attend(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.softcap
             ).transpose(1, 2)
         else:
             cache = self.cache
@@ -112,7 +150,7 @@ class Attention(nn.Module):
         d = step.decode
         if d is not None and d.kv_cells is None and step.prefill is None:  # all tokens decode, in order
             return paged_decode_attention(
-                q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.head_dim**-0.5
+                q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.scale
             )
         out = torch.empty_like(q)
         if d is not None and d.kv_cells is None:
@@ -123,20 +161,22 @@ class Attention(nn.Module):
                 d.block_tables,
                 d.context_lens,
                 d.block_size,
-                self.head_dim**-0.5,
+                self.scale,
             )
         elif d is not None:
             keys = cache.k[d.kv_cells].transpose(1, 2)  # [B, KV, C, D]
             vals = cache.v[d.kv_cells].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[d.q_index][:, :, None, :], keys, vals, attn_mask=d.mask, enable_gqa=True
+            mask = d.window_mask(self.window) if self.window else d.mask
+            o = attend(
+                q[d.q_index][:, :, None, :], keys, vals, mask, self.scale, self.softcap
             )  # [B, H, 1, D]
             out[d.q_index] = o[:, :, 0, :]
         if (p := step.prefill) is not None:
             keys = cache.k[p.kv_cells].transpose(1, 2)  # [P, KV, C, D]
             vals = cache.v[p.kv_cells].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[p.q_index].transpose(1, 2), keys, vals, attn_mask=p.mask, enable_gqa=True
+            mask = p.window_mask(self.window) if self.window else p.mask
+            o = attend(
+                q[p.q_index].transpose(1, 2), keys, vals, mask, self.scale, self.softcap
             )  # [P, H, Q, D]
             out[p.q_index[p.q_valid]] = o.transpose(1, 2)[p.q_valid]
         return out
@@ -153,19 +193,25 @@ class MLP(nn.Module):
         # gate|up in one (gate first): as the checkpoint has it (phi3), or fused after loading
         self.gate_up_proj: nn.Module | None = nn.Linear(d, 2 * ff, bias=False) if args.fused else None
         self.triton_ops = False  # silu(gate) * up in one Triton kernel: set by use_fused_kernels
+        self.gelu = args.hidden_act == "gelu_tanh"  # GeGLU (Gemma): gelu(gate, tanh approximation) * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
+            if self.gelu:
+                gate, up = gate_up.chunk(2, dim=-1)
+                return self.down_proj(F.gelu(gate, approximate="tanh") * up)
             return self.down_proj(fused.silu_mul(gate_up) if self.triton_ops else fused.silu_mul_ref(gate_up))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer_idx)
         self.mlp: nn.Module = (
             SparseMoe(
                 args.hidden_size,
@@ -179,6 +225,10 @@ class TransformerBlock(nn.Module):
         )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.sandwich = args.sandwich_norms  # Gemma: a norm after attention, and before and after the MLP
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(
         self,
@@ -193,6 +243,11 @@ class TransformerBlock(nn.Module):
         Returns the layer's output; with `split` (the model's own loop, vLLM's layout) as (this MLP's output, the
         residual stream before it), so that every add happens inside the next norm. `residual`: x is then the
         previous layer's split MLP output, not yet added to it."""
+        if self.sandwich:  # each norm's output is added to the stream, not the stream normalised in place
+            x = x if residual is None else x + residual
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, step))
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return (h, x) if split else h + x
         if residual is None:
             h, res = self.input_layernorm(x), x
         else:
@@ -222,6 +277,12 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(args)
+        # gemma3: the windowed layers' own rope base, without the global layers' scaling
+        self.rotary_local = (
+            RotaryEmbedding(replace(args, rope_theta=args.rope_local_theta, rope_scaling=()))
+            if args.rope_local_theta
+            else None
+        )
 
     def forward(
         self,
@@ -235,13 +296,16 @@ class Transformer(nn.Module):
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
             max_position = input_ids.shape[-1] - 1
         rope = self.rotary(positions, max_position)  # once, for every layer
+        local = self.rotary_local(positions, max_position) if self.rotary_local is not None else rope
         x = self.model.embed_tokens(input_ids)
+        if self.args.embed_scale:  # Gemma: sqrt(hidden), rounded to the model's dtype as transformers does
+            x = x * torch.tensor(self.args.hidden_size**0.5, dtype=x.dtype)
         # each image position takes its image's embedding instead of its token's
         if step is not None and step.image_embeds is not None:
             x[step.image_rows] = step.image_embeds.to(x.dtype)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, rope, step, residual, split=True)
+            x, residual = layer(x, local if layer.self_attn.window else rope, step, residual, split=True)
         return self.model.norm(x, residual)[0]
 
     def use_fused_kernels(self, on: bool) -> None:
@@ -252,4 +316,7 @@ class Transformer(nn.Module):
                 m.triton_ops = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if cap := self.args.final_softcap:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -78,6 +78,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.args = (
+            args  # what the loader re-initialises it from, after building the model on the meta device
+        )
         inv_freq, self.attention_scaling = rope_inv_freq(args)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         s = dict(args.rope_scaling)

@@ -123,6 +123,12 @@ class TorchRunner:
         # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers cells. The norms,
         # rotary + KV write and silu * up run as Triton kernels wherever Triton runs.
         self.paged_kernel = paged_attention.can_run(device)[0]
+        if self.paged_kernel and (any(model.args.layer_windows) or model.args.attn_softcap):
+            # the kernel knows neither windows nor capped scores: such a model gathers its context (no graphs)
+            log.info(
+                "windowed or soft-capped attention: decode attends through gathered cells, without graphs"
+            )
+            self.paged_kernel = False
         model.use_fused_kernels(self.paged_kernel)
         a = model.args
         # One block more than the ledger hands out: the scratch block that unused CUDA-graph rows write to.

@@ -11,7 +11,7 @@ another call, padded to the longest chunk and the longest context (a varlen batc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,16 @@ class DecodeBatch:
     # Without the paged kernel (CPU): the cache cells of each row's context, padded with cell 0, and which are real
     kv_cells: torch.Tensor | None = None  # int64 [B, W * block_size]
     mask: torch.Tensor | None = None  # bool [B, 1, 1, W * block_size]
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask for a layer that attends to the last `window` positions only (made once per step)."""
+        if window not in self._windowed:
+            assert self.mask is not None
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            keep = pos[None, :] >= (self.context_lens - window)[:, None]
+            self._windowed[window] = self.mask & keep[:, None, None]
+        return self._windowed[window]
 
     def gather_indices(self) -> None:
         """Fill kv_cells and mask from the block tables, on the device (for attention without the kernel)."""
@@ -49,6 +59,17 @@ class PrefillBatch:
     mask: (
         torch.Tensor
     )  # bool [P, 1, Q, C]: causal, after the cached prefix; padding queries see position 0 only
+    q_pos: torch.Tensor | None = None  # int64 [P, Q]: each query's position (padding: 0)
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask for a layer that attends to the last `window` positions only (made once per step)."""
+        if window not in self._windowed:
+            assert self.q_pos is not None
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            keep = pos[None, None, :] > self.q_pos[:, :, None] - window
+            self._windowed[window] = self.mask & keep[:, None]
+        return self._windowed[window]
 
 
 @dataclass
@@ -138,6 +159,9 @@ def prepare_step(
             q_valid=tensor([[j < n for j in range(q_width)] for _, n, _, _ in prefill_rows], torch.bool),
             kv_cells=tensor([c + [0] * (c_width - len(c)) for _, _, _, c in prefill_rows]),
             mask=torch.stack(masks)[:, None].to(device, non_blocking=True),
+            q_pos=tensor(
+                [[ctx - n + j if j < n else 0 for j in range(q_width)] for _, n, ctx, _ in prefill_rows]
+            ),
         )
     return StepBatch(
         input_ids=tensor(ids),

@@ -40,7 +40,7 @@ def _empty_model(
     model = model.to_empty(device=device)
     for m in model.modules():
         if isinstance(m, RotaryEmbedding):
-            m.__init__(args)
+            m.__init__(m.args)
             m.to(device)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -76,8 +76,10 @@ def _fill_dense(
             f"the checkpoint lacks {len(missing)} tensors the {model.args.arch} model needs, e.g. {missing[:3]}; "
             "is it a complete checkpoint of this architecture?"
         )
+    offset = model.args.norm_offset  # Gemma's norms scale by (1 + w): stored as 1 + w, the sum in fp32
     for n, p in wanted.items():
-        _copy(p, read(n), n)
+        value = read(n)
+        _copy(p, value.float() + offset if offset and n.endswith("norm.weight") else value, n)
 
 
 class _SafetensorsFiles:

@@ -170,6 +170,11 @@ def archs() -> dict[str, ArchSpec]:
     return {spec.name: spec for spec in (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3)}
 
 
+# Families the torch backend runs that conversion does not write yet (Gemma's tensors are llama.cpp's own, and its
+# vocab is SentencePiece's): HF `architectures` name -> model type.
+TORCH_ONLY = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+
+
 def torch_architectures() -> dict[str, str]:
     """The HF `architectures` names the torch backend runs, each with its model type (its Transformer's family)."""
     return {
@@ -177,7 +182,7 @@ def torch_architectures() -> dict[str, str]:
         for spec in archs().values()
         if spec.torch
         for name, model_type in zip(spec.hf_architectures, spec.hf_model_types, strict=True)
-    }
+    } | TORCH_ONLY
 
 
 def supported_hf_types() -> list[str]:

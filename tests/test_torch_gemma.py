@@ -1,0 +1,109 @@
+"""Gemma 2 and Gemma 3 (text) on the torch backend, on tiny random-weight checkpoints with SmolLM2's tokenizer and
+windows (6 tokens) shorter than every prompt but the last: prompt logits against transformers, dense and int4 at
+load (against transformers on the dequantized weights); greedy tokens of 4 requests of different lengths batched
+under paged KV, in prefill chunks of 8 tokens, with prefix caching, equal to transformers' greedy tokens for each
+alone; and a config whose layer types do not fit its layers is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from quantserve.backends.torch.tokenizer import HFTokenizer
+from quantserve.backends.torch.weights import load_model
+from quantserve.errors import UnsupportedFormatError
+from quantserve.formats import detect, read_gguf_info
+from tests.test_torch_engine import make_engine
+from tests.test_torch_moe import LONG, PROMPTS, _dequantized_copy, _together, assert_logits_match
+
+SIZES = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, sliding_window=6, max_position_embeddings=512, query_pre_attn_scalar=24,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+FAMILIES = {
+    # Gemma 2: alternate windowed and global layers, tanh caps on the attention and final logits
+    "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config, {}),
+    # Gemma 3: q/k norms, no caps, a local rope base (10k) for the windowed layers and a scaled global one
+    "gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        {
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def gemma_dir(request, smollm2_gguf, tmp_path_factory) -> Path:
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    model_cls, config_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SIZES, **extra))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.3 if name.endswith("norm.weight") else 0.1)  # (1 + w) norms: w around 0
+    d = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(d)
+    tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
+    return d
+
+
+def test_dense_and_int4_equal_transformers(gemma_dir, tmp_path):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    ours = load_model(detect(gemma_dir), dtype=torch.float32, device=torch.device("cpu"))
+    assert [layer.self_attn.window for layer in ours.model.layers] == [
+        6 if t == "sliding_attention" else 0 for t in ref.config.layer_types
+    ]
+    assert_logits_match(ours, ref, LONG)  # 41 tokens: every window is full
+    ours = load_model(detect(gemma_dir), dtype=torch.float32, device=torch.device("cpu"), quant="int4")
+    dq = transformers.AutoModelForCausalLM.from_pretrained(
+        _dequantized_copy(gemma_dir, tmp_path / "dq")
+    ).eval()
+    assert_logits_match(ours, dq, LONG)
+
+
+def test_batched_greedy_with_prefix_caching_equals_transformers_alone(gemma_dir):
+    model = load_model(detect(gemma_dir), dtype=torch.float32, device=torch.device("cpu"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    engine, runner = make_engine((model, HFTokenizer.from_dir(gemma_dir)), max_num_seqs=4, kv_tokens=1024,
+                                 n_batch=8, caching=True)  # fmt: skip
+    assert _together(engine, PROMPTS, 10) == want  # chunks of 8 tokens mix prefill with decode
+    assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 32  # its first two blocks cached
+    assert engine.kv.num_used == 0
+
+
+def test_layer_types_that_do_not_fit_the_layers_are_refused(gemma_dir, tmp_path):
+    bad = Path(shutil.copytree(gemma_dir, tmp_path / "bad"))
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "layer_types": ["sliding_attention"] * 3}))
+    with pytest.raises(UnsupportedFormatError, match="layer_types"):
+        load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_auto_picks_the_torch_backend_and_the_quantizers_refuse_gemma(gemma_dir, tmp_path):
+    """llama.cpp cannot be given a Gemma (no GGUF conversion yet), so `--backend auto` picks torch on any
+    machine; GPTQ and friends refuse it by name before any work."""
+    from quantserve.backends.select import choose_backend
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.errors import ConfigError
+
+    assert choose_backend(detect(gemma_dir), "auto")[0] == "torch"
+    with pytest.raises(ConfigError, match="Gemma"):
+        quantize_checkpoint(gemma_dir, tmp_path / "q", "gptq", calib_tokens=torch.ones(2, 8, dtype=torch.long))
+    assert not (tmp_path / "q").exists()
