@@ -65,4 +65,5 @@ def test_the_torch_backend_runs_what_the_registry_marks():
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
         "MixtralForCausalLM": "mixtral",
+        "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",  # torch only: no GGUF conversion yet
     }  # fmt: skip

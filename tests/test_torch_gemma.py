@@ -105,5 +105,16 @@ def test_auto_picks_the_torch_backend_and_the_quantizers_refuse_gemma(gemma_dir,
 
     assert choose_backend(detect(gemma_dir), "auto")[0] == "torch"
     with pytest.raises(ConfigError, match="Gemma"):
-        quantize_checkpoint(gemma_dir, tmp_path / "q", "gptq", calib_tokens=torch.ones(2, 8, dtype=torch.long))
+        quantize_checkpoint(
+            gemma_dir, tmp_path / "q", "gptq", calib_tokens=torch.ones(2, 8, dtype=torch.long)
+        )
     assert not (tmp_path / "q").exists()
+
+
+def test_inspect_names_the_windowed_layers(gemma_dir):
+    from quantserve.formats.summary import render_summary, summarize
+
+    s = summarize(gemma_dir)
+    local = 2 if gemma_dir.name.startswith("gemma2") else 3
+    assert s.windows == f"{local} of 4 layers within 6 tokens, {4 - local} global"
+    assert f"attention windows: {s.windows}" in render_summary(s)

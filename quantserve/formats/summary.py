@@ -29,6 +29,7 @@ class ModelSummary:
     context_length: int | None  # the context it was trained for
     quant: dict[str, Any]  # spec.quant
     experts: str | None = None  # a mixture of experts' routing, in words (None: a dense model)
+    windows: str | None = None  # which layers attend within a window, in words (None: none do)
 
 
 def _types_by_class(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -61,6 +62,7 @@ def _summarize_gguf(spec: ModelSpec) -> dict[str, Any]:
         "quant_types": _types_by_class((_gguf_class(t.name), t.type_name) for t in tensors),
         "context_length": infos[0].context_length,
         "experts": _gguf_experts(infos[0].metadata, infos[0].architecture),
+        "windows": _gguf_windows(infos[0].metadata, infos[0].architecture),
     }
 
 
@@ -157,6 +159,7 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
         "quant_types": _types_by_class(classes),
         "context_length": ctx,
         "experts": _hf_experts({**config, **text}),
+        "windows": _hf_windows({**config, **text}),
     }
 
 
@@ -182,7 +185,25 @@ def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
         context_length=facts["context_length"],
         quant=dict(spec.quant),
         experts=_experts_line(facts["experts"], n_params),
+        windows=facts["windows"],
     )
+
+
+def _hf_windows(config: dict[str, Any]) -> str | None:
+    """'3 of 4 layers within 4096 tokens, 1 global' (Gemma's layer_types), 'every layer within 2047 tokens'."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or not window or config.get("use_sliding_window") is False:
+        return None
+    types = config.get("layer_types")
+    if not isinstance(types, list):
+        return f"every layer within {window} tokens"
+    local = sum(t == "sliding_attention" for t in types)
+    return f"{local} of {len(types)} layers within {window} tokens, {len(types) - local} global"
+
+
+def _gguf_windows(md: dict[str, Any], arch: str | None) -> str | None:
+    window = md.get(f"{arch}.attention.sliding_window")
+    return f"windowed layers within {window} tokens" if isinstance(window, int) and window else None
 
 
 def _count(n: float, units: tuple[str, ...], step: int) -> str:
@@ -210,6 +231,7 @@ def render_summary(s: ModelSummary, extra: tuple[tuple[str, list[str]], ...] = (
         ("quantization", [", ".join(f"{k}={v}" for k, v in s.quant.items())]),
         ("tensor types", [f"{cls}: {typ}" for cls, typ in sorted(s.quant_types.items())] or ["none"]),
         *([("experts", [s.experts])] if s.experts else []),
+        *([("attention windows", [s.windows])] if s.windows else []),
         *extra,
     ]
     width = max(len(k) for k, _ in rows) + 2
