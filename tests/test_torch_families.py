@@ -1,4 +1,4 @@
-"""Mixtral and Phi-3 under the torch backend's engine, on tiny random-weight checkpoints with SmolLM2's tokenizer: 4
+"""Mixtral, Phi-3 and windowed Phi-3 and Mistral under the torch backend's engine, on tiny random-weight checkpoints with SmolLM2's tokenizer: 4
 requests of different lengths batched under paged KV with prefix caching give transformers' greedy tokens for each
 alone (test_torch_moe.py does the same for Qwen3-MoE)."""
 
@@ -25,6 +25,13 @@ FAMILIES = {
         transformers.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
     ),
     "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**SIZES, pad_token_id=0)),
+    # every layer within 8 tokens: the prompts but the last run past it, and prefix caching must not change that
+    "phi3-window": lambda: transformers.Phi3ForCausalLM(
+        transformers.Phi3Config(**SIZES, pad_token_id=0, sliding_window=8)
+    ),
+    "mistral-window": lambda: transformers.MistralForCausalLM(
+        transformers.MistralConfig(**SIZES, sliding_window=8)
+    ),
 }
 
 

@@ -238,26 +238,28 @@ def test_smollm2_matches_transformers(smollm2_hf):
     assert seq[ids.shape[1] : ids.shape[1] + len(out)] == out
 
 
-def test_a_windowed_model_is_served_within_its_window(tmp_path):
-    """Phi-3's layers attend within `sliding_window` tokens, which this model does not implement: it is exact up
-    to the window, so its context is the window by default, and a longer --ctx-size is refused by name."""
-    from quantserve.backends.torch.backend import _windowed
+@pytest.mark.parametrize("case", ["phi3", "mistral", "mixtral"])
+def test_a_windowed_model_is_exact_past_its_window(case, tmp_path):
+    """Phi-3's, Mistral's and Mixtral's layers attend within `sliding_window` tokens (8 here): past the window the
+    prompt logits are transformers', and the context served is the model's own, not the window
+    (test_torch_families.py runs such models batched under paged KV)."""
     from quantserve.backends.torch.runner import TorchRunner
-    from quantserve.core.model_size import model_shape
+    from quantserve.backends.torch.weights import load_model
     from quantserve.core.settings import EngineSettings
-    from quantserve.errors import ConfigError
     from quantserve.formats import detect
 
-    config_cls, extra = CASES["phi3"]
-    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra, sliding_window=48))
-    hf.save_pretrained(tmp_path)
-    ours = Transformer(ModelArgs.from_hf_config(json.loads((tmp_path / "config.json").read_text())))
-    assert ours.args.context_limit == 48
-    assert _windowed(model_shape(detect(tmp_path)), detect(tmp_path)).n_ctx_train == 48  # what inspect says
-    cpu = torch.device("cpu")
-    assert TorchRunner(ours, None, EngineSettings(max_num_seqs=1), cpu).n_ctx == 48
-    with pytest.raises(ConfigError, match="48-token window.*--ctx-size 48 or less"):
-        TorchRunner(ours, None, EngineSettings(ctx_size=64, max_num_seqs=1), cpu)
+    config_cls, extra = CASES[case]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **{**extra, "sliding_window": 8}))
+    hf.eval().save_pretrained(tmp_path)
+    ours = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    assert [layer.self_attn.window for layer in ours.model.layers] == [8, 8]
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours.compute_logits(ours(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    assert TorchRunner(ours, None, EngineSettings(max_num_seqs=1), torch.device("cpu")).n_ctx == 256
 
 
 def test_phi3_int4_at_load_equals_transformers_on_the_dequantized_weights(tmp_path):

@@ -35,9 +35,6 @@ class ModelArgs:
     fused: bool = (
         False  # phi3: the checkpoint's q|k|v and gate|up are one linear each (qkv_proj, gate_up_proj)
     )
-    # phi3: attention within this many tokens (0: none); the model attends over everything, so its context is cut
-    # to the window, where the two agree (context_limit)
-    sliding_window: int = 0
     # gemma2 / gemma3: (1 + w) norms (norm_offset 1, added at load), the embedding scaled by sqrt(hidden), GeGLU,
     # a norm after attention and around the MLP (sandwich), q.k scaled by query_pre_attn_scalar^-1/2, tanh caps
     # on the attention and final logits (gemma2), and layers that attend within a window
@@ -60,11 +57,6 @@ class ModelArgs:
         for theirs, ours in self.checkpoint_names:
             name = name.replace(theirs, ours)
         return name[:-1]
-
-    @property
-    def context_limit(self) -> int:
-        """The longest sequence this model computes as trained: its context, or its window if it has one."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
@@ -109,6 +101,7 @@ class ModelArgs:
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
         moe = _moe_args(cfg, renormalize=True if arch == "mixtral" else None) if arch in MOE else {}
+        window = int(cfg.get("sliding_window") or 0)
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -128,7 +121,8 @@ class ModelArgs:
             rope_scaling=scaling,
             **moe,
             fused=arch == "phi3",
-            sliding_window=int(cfg.get("sliding_window") or 0) if arch in ("phi3", "mixtral") else 0,
+            # Mistral, Mixtral and Phi-3 attend within sliding_window tokens in every layer (when it is set)
+            layer_windows=(window,) * cfg["num_hidden_layers"] if window and arch in WINDOWED else (),
             checkpoint_names=MIXTRAL_NAMES if arch == "mixtral" else (),
             **gemma,
         )
@@ -176,6 +170,7 @@ def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[st
 
 
 MOE = ("qwen3_moe", "mixtral")
+WINDOWED = ("mistral", "mixtral", "phi3")
 # Mixtral's expert MLPs are w1 (gate), w2 (down) and w3 (up) under `block_sparse_moe`
 MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."),
                  (".w3.", ".up_proj."))  # fmt: skip

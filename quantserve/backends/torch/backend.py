@@ -4,14 +4,13 @@ that carries it out: device and dtype, weights, the KV cache the plan sized."""
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 from quantserve.backends import facts
-from quantserve.core.model_size import Shape, model_shape, torch_kv
+from quantserve.core.model_size import model_shape, torch_kv
 from quantserve.core.plan import ModelPlan
 from quantserve.core.runner import Loaded, ModelInfo
 from quantserve.core.settings import EngineSettings
-from quantserve.errors import BackendUnavailableError, UnsupportedFormatError, require_torch
+from quantserve.errors import BackendUnavailableError, require_torch
 from quantserve.formats import ModelSpec
 from quantserve.formats.hf_config import is_llava
 
@@ -61,7 +60,7 @@ class TorchBackend:
         steps = [f"{weights}, {where}"]
         if llava:
             steps.append("load the CLIP vision tower and its projector")
-        shape = _windowed(model_shape(spec), spec)
+        shape = model_shape(spec)
         fill = device.type == "cuda" and settings.torch.kv_fill_gpu
         kv = (
             torch_kv(shape, settings, elem_bytes=dtype.itemsize, fill_gpu=fill) if shape is not None else None
@@ -127,16 +126,3 @@ def _llava_vision(config: dict) -> str:
         f"{config.get('vision_feature_layer', -2)}), {config.get('projector_hidden_act', 'gelu')} MLP projector, "
         f"{text.get('model_type', 'llama')} language model"
     )
-
-
-def _windowed(shape: Shape | None, spec: ModelSpec) -> Shape | None:
-    """The shape with the context cut to the model's attention window, as the runner serves it (ModelArgs)."""
-    from quantserve.backends.torch.args import ModelArgs  # no torch import: the plan is made without it
-
-    try:
-        limit = ModelArgs.from_hf_config(dict(spec.config or {})).context_limit
-    except (UnsupportedFormatError, KeyError, TypeError):
-        return shape
-    if shape is None or shape.n_ctx_train is None or shape.n_ctx_train <= limit:
-        return shape
-    return replace(shape, n_ctx_train=limit)

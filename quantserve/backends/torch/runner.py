@@ -95,18 +95,10 @@ class TorchRunner:
         if kv is None:
             a = model.args
             shape = Shape(a.num_hidden_layers, a.num_key_value_heads * a.num_hidden_layers, a.head_dim,
-                          a.context_limit)  # fmt: skip
+                          a.max_position_embeddings)  # fmt: skip
             fill = device.type == "cuda" and settings.torch.kv_fill_gpu
             kv = torch_kv(shape, settings, elem_bytes=dtype.itemsize, fill_gpu=fill)
         self.n_ctx = kv.n_ctx
-        window = model.args.sliding_window
-        if window and self.n_ctx > window:
-            raise ConfigError(
-                f"this model's layers attend within a {window}-token window, which the torch backend does not "
-                f"implement: it is exact up to {window} tokens; run with --ctx-size {window} or less, or with "
-                "--backend llamacpp",
-                param="ctx_size",
-            )
         self.block_size = settings.torch.block_size
         if kv.cells is None:
             num_blocks = fill_gpu_blocks(model, settings, self.n_ctx, dtype)
@@ -123,7 +115,8 @@ class TorchRunner:
         # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers cells. The norms,
         # rotary + KV write and silu * up run as Triton kernels wherever Triton runs.
         self.paged_kernel = paged_attention.can_run(device)[0]
-        if self.paged_kernel and (any(model.args.layer_windows) or model.args.attn_softcap):
+        windowed = any(0 < w < self.n_ctx for w in model.args.layer_windows)  # a window as long as the context
+        if self.paged_kernel and (windowed or model.args.attn_softcap):  # changes nothing
             # the kernel knows neither windows nor capped scores: such a model gathers its context (no graphs)
             log.info(
                 "windowed or soft-capped attention: decode attends through gathered cells, without graphs"
