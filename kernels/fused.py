@@ -195,10 +195,15 @@ def rope_and_cache(
 
 
 def rope_and_cache_ref(q, k, v, cos, sin, cell_index, k_cache, v_cache) -> torch.Tensor:
+    """As rope_and_cache, in PyTorch; cos/sin narrower than the head rotate its first dimensions only (partial
+    rotary, Phi-4-mini)."""
+
     def rot(x):
-        x1, x2 = x.chunk(2, dim=-1)
+        r = cos.shape[-1]
+        x1, x2 = x[..., :r].chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
-        return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+        out = (x[..., :r].float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+        return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
 
     k_cache[cell_index] = rot(k)
     v_cache[cell_index] = v

@@ -55,6 +55,11 @@ CASES = {
         "pad_token_id": 0, "original_max_position_embeddings": 64,
         "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.3 * i for i in range(8)],
                          "short_factor": [1.0 + 0.05 * i for i in range(8)]}}),
+    # Phi-4-mini: LongRoPE over the first half of each head (partial_rotary_factor), the rest not rotated
+    "phi4-mini": (transformers.Phi3Config, {
+        "pad_token_id": 0, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5,
+        "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.3 * i for i in range(4)],
+                         "short_factor": [1.0 + 0.05 * i for i in range(4)]}}),
 }  # fmt: skip
 
 
@@ -98,7 +103,9 @@ def test_logits_match_transformers(case, tmp_path):
     assert (got - want).abs().max().item() < 1e-3 * scale, case
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "qwen3-moe", "mixtral", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize(
+    "case", ["llama", "qwen3", "qwen3-moe", "mixtral", "phi3", "phi3-longrope", "phi4-mini"]
+)
 def test_greedy_tokens_match_transformers(case, tmp_path):
     hf, ours = tiny_pair(case, tmp_path)
     ids = torch.tensor([[1, 5, 9, 33, 2]])
@@ -118,7 +125,7 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("paged_kernel", [False, True], ids=["gather", "kernel"])
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "phi3"])
+@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "phi3", "phi4-mini"])
 def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monkeypatch):
     """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
     same step as two decodes), the others prefilled together in one padded call, then decoded together. The

@@ -27,6 +27,7 @@ class ModelArgs:
     attention_bias: bool  # qwen2: q/k/v carry a bias
     qk_norm: bool  # qwen3: RMSNorm over each head of q and k before RoPE
     rope_scaling: tuple[tuple[str, Any], ...] = field(default=())  # sorted items of HF's rope_scaling dict
+    rotary_dim: int = 0  # the head dimensions that rotate, the first ones (partial_rotary_factor); 0: all
     # a mixture of experts (qwen3_moe): every layer's MLP routes each token to num_experts_per_tok of num_experts
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -84,11 +85,13 @@ class ModelArgs:
                 f"rope scaling {rope_type!r} is not supported by the torch backend (supported: linear, llama3, "
                 "yarn, longrope); use --backend llamacpp"
             )
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = float(rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        rotary_dim = int(head_dim * partial)  # transformers' Phi-3: int(head_dim * partial_rotary_factor)
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
             raise UnsupportedFormatError(
-                f"partial rotary embeddings (partial_rotary_factor {partial}, as Phi-4-mini's) are not implemented "
-                "by the torch backend; use --backend llamacpp"
+                f"partial_rotary_factor {partial} rotates {rotary_dim} of {head_dim} head dimensions: it must be an "
+                "even number of them, at least 2; the config is damaged"
             )
         if rope_type == "longrope":  # Phi-3 names its original context outside rope_scaling, which wins there
             orig = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
@@ -110,7 +113,7 @@ class ModelArgs:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
@@ -119,6 +122,7 @@ class ModelArgs:
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             rope_scaling=scaling,
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **moe,
             fused=arch == "phi3",
             # Mistral, Mixtral and Phi-3 attend within sliding_window tokens in every layer (when it is set)

@@ -106,6 +106,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = nn.Linear(d, sum(sizes), bias=bias) if args.fused else None
         self.qkv_sizes = sizes
         self.scale = (args.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.partial_rotary = bool(args.rotary_dim)  # the Triton rotary kernel turns whole heads only
         self.softcap = args.attn_softcap
         self.window = args.layer_windows[layer_idx] if args.layer_windows else 0
         self.cache: KVCache | None = None  # set by the runner for paged serving
@@ -135,7 +136,7 @@ class Attention(nn.Module):
         else:
             cache = self.cache
             assert cache is not None, "paged forward needs a KV cache"
-            if self.triton_ops and not self.head_dim & (self.head_dim - 1):
+            if self.triton_ops and not self.head_dim & (self.head_dim - 1) and not self.partial_rotary:
                 q = fused.rope_and_cache(q, k, v, cos, sin, step.cell_index, cache.k, cache.v)
             else:
                 q = fused.rope_and_cache_ref(q, k, v, cos, sin, step.cell_index, cache.k, cache.v)

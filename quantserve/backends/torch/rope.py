@@ -17,7 +17,7 @@ def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[torch.Tensor, fl
     """Inverse frequencies [head_dim / 2] and the attention scaling of cos/sin, as transformers'
     `ROPE_INIT_FUNCTIONS` compute them for default, linear, llama3, yarn and longrope (`long`: its factors for
     sequences past the original context)."""
-    dim, base = args.head_dim, args.rope_theta
+    dim, base = args.rotary_dim or args.head_dim, args.rope_theta
     # fp32 like transformers, so that both models see the same frequencies.
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     s = dict(args.rope_scaling)
@@ -112,7 +112,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, head_dim] of the tokens
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, H, D]; cos/sin [T, D]."""
-    x1, x2 = x.chunk(2, dim=-1)
+    """x [..., T, H, D]; cos/sin [T, R]: the first R dimensions of each head rotate (R < D: partial rotary, as
+    transformers' Phi-3 splits q and k), the rest pass through."""
+    r = cos.shape[-1]
+    x1, x2 = x[..., :r].chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+    out = (x[..., :r].float() * cos[:, None, :] + rotated.float() * sin[:, None, :]).to(x.dtype)
+    return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
