@@ -118,3 +118,23 @@ def test_inspect_names_the_windowed_layers(gemma_dir):
     local = 2 if gemma_dir.name.startswith("gemma2") else 3
     assert s.windows == f"{local} of 4 layers within 6 tokens, {4 - local} global"
     assert f"attention windows: {s.windows}" in render_summary(s)
+
+
+def test_gemma3s_multimodal_checkpoint_serves_its_language_model(smollm2_gguf, tmp_path):
+    """Gemma3ForConditionalGeneration (what most Gemma 3 checkpoints are): its language model, under
+    `model.language_model.*`, gives the wrapper's own text-only logits; the vision tower is left unread."""
+    _, config_cls, extra = FAMILIES["gemma3"]
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=config_cls(**SIZES, **extra).to_dict(), vision_config=vision,
+                                       mm_tokens_per_image=4)  # fmt: skip
+    hf = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if name.endswith("norm.weight") else 0.1)
+    hf.eval().save_pretrained(tmp_path)
+    assert any(k.startswith("model.vision_tower.") for k in hf.state_dict())
+    ours = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    assert ours.args.arch == "gemma3_text" and ours.args.rope_local_theta == 10000.0
+    assert_logits_match(ours, hf, LONG)

@@ -3,7 +3,7 @@ the rope and, for a mixture of experts, its routing), refusing what the model do
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
@@ -63,6 +63,8 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """Raises UnsupportedFormatError for architectures this model does not implement."""
         names = cfg.get("architectures") or []
+        if names and names[0] in WRAPPERS:  # a multimodal wrapper: its language model, under its own names
+            return replace(cls.from_hf_config(_wrapped_text(cfg)), checkpoint_names=WRAPPED_NAMES)
         known = torch_architectures()
         arch = next((known[n] for n in names if n in known), None)
         if arch is None:
@@ -125,10 +127,13 @@ class ModelArgs:
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **moe,
             fused=arch == "phi3",
-            # Mistral, Mixtral and Phi-3 attend within sliding_window tokens in every layer (when it is set)
-            layer_windows=(window,) * cfg["num_hidden_layers"] if window and arch in WINDOWED else (),
             checkpoint_names=MIXTRAL_NAMES if arch == "mixtral" else (),
-            **gemma,
+            # Mistral, Mixtral and Phi-3 attend within sliding_window tokens in every layer (when it is set);
+            # Gemma's layers each have their own
+            **(
+                {"layer_windows": (window,) * cfg["num_hidden_layers"] if window and arch in WINDOWED else ()}
+                | gemma
+            ),
         )
 
 
@@ -171,6 +176,24 @@ def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[st
         "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
         "rope_local_theta": float(local or 10000.0) if arch == "gemma3_text" else 0.0,
     }
+
+
+# Multimodal checkpoints whose language model the torch backend runs alone (text in, text out): the wrapper's
+# architecture -> its language model's
+WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# where they keep it: transformers 5's own layout, and the hub's (what save_pretrained writes back)
+WRAPPED_NAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))  # fmt: skip
+
+
+def _wrapped_text(cfg: dict[str, Any]) -> dict[str, Any]:
+    text = dict(cfg.get("text_config") or {})
+    if not text.get("hidden_size") or not text.get("num_hidden_layers"):
+        raise UnsupportedFormatError(
+            f"config.json of a {cfg['architectures'][0]} has no text_config with the language model's sizes"
+        )
+    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    return {**text, "architectures": [WRAPPERS[cfg["architectures"][0]]], "tie_word_embeddings": tied}
 
 
 MOE = ("qwen3_moe", "mixtral")

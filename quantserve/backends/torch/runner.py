@@ -115,7 +115,9 @@ class TorchRunner:
         # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers cells. The norms,
         # rotary + KV write and silu * up run as Triton kernels wherever Triton runs.
         self.paged_kernel = paged_attention.can_run(device)[0]
-        windowed = any(0 < w < self.n_ctx for w in model.args.layer_windows)  # a window as long as the context
+        windowed = any(
+            0 < w < self.n_ctx for w in model.args.layer_windows
+        )  # a window as long as the context
         if self.paged_kernel and (windowed or model.args.attn_softcap):  # changes nothing
             # the kernel knows neither windows nor capped scores: such a model gathers its context (no graphs)
             log.info(

@@ -140,6 +140,12 @@ def load_model(
 
         with open_quantized(spec) as ckpt:
             prefixes = {name(p): p for p in ckpt.linear_prefixes()}  # ours -> the checkpoint's
+            if outside := [p for p in prefixes if not p.startswith(("model.layers.", "lm_head", "vision_tower.",
+                                                                    "multi_modal_projector."))]:  # fmt: skip
+                raise UnsupportedFormatError(
+                    f"{spec.path} quantizes linears outside the language model ({outside[0]}, …), which the torch "
+                    "backend runs in full precision only; quantize the language model alone"
+                )
             if vision := [p for p in prefixes if llava.is_vision(p)]:
                 raise UnsupportedFormatError(
                     f"{spec.path} quantizes the vision side ({vision[0]}, …); the torch backend runs the vision "

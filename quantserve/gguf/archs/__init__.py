@@ -172,7 +172,11 @@ def archs() -> dict[str, ArchSpec]:
 
 # Families the torch backend runs that conversion does not write yet (Gemma's tensors are llama.cpp's own, and its
 # vocab is SentencePiece's): HF `architectures` name -> model type.
-TORCH_ONLY = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+TORCH_ONLY = {
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (backends/torch/args.py WRAPPERS)
+}
 
 
 def torch_architectures() -> dict[str, str]:
