@@ -190,7 +190,9 @@ class ReplyParser(ABC):
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
-        return self._parse(final=False)
+        return (
+            [] if self.malformed else self._parse(final=False)
+        )  # a malformed reply is text: nothing more is read
 
     def _text_until(self, marker: str, final: bool) -> tuple[list[Event], bool]:
         """The text from self.cur up to `marker`, as content; True once the marker is found (self.cur is then just
@@ -225,10 +227,11 @@ class ReplyParser(ABC):
         return call
 
     def finish(self) -> list[Event]:
-        return self._parse(final=True)
+        return [] if self.malformed else self._parse(final=True)
 
     def _whole_call(self, name: str, args: object) -> list[Event]:
-        """Add a call read whole and return its events. A name that is not a tool makes the reply malformed."""
+        """Add a call read whole and return its events. A name that is not a tool makes the reply malformed (and
+        nothing after it is read: feed)."""
         call = WholeCall(len(self.calls), self.new_id(), name, self.tools, args)
         self.calls.append(call)  # type: ignore[arg-type]
         if call.rejected:

@@ -95,6 +95,8 @@ class JsonListParser(JsonCallParser):
         out: list[Event] = []
         s = self.s
         while True:
+            if self.state == "junk":  # after a malformed call
+                return out
             if self.state == "text":
                 events, marker = self._text_until_any((s.open, *s.dropped), final)
                 out += events
@@ -142,13 +144,16 @@ class JsonListParser(JsonCallParser):
                         self._call(sc, (), **self._keys())
                 for call in self.calls:
                     out += call.poll()
+                    if call.rejected:  # nothing after a call to no tool is read
+                        self.malformed, self.state = True, "junk"
+                        return out
                     if s.ids and isinstance(
                         call, CallStream
                     ):  # Command R writes each call's id in its object
                         written = call.scanner.string_value((*call.prefix, s.ids))
                         call.id = written if written else call.id
-                if sc.error or any(c.rejected for c in self.calls):
-                    self.malformed = True
+                if sc.error:
+                    self.malformed, self.state = True, "junk"
                     return out
                 if not sc.done:
                     self.cut = final

@@ -122,11 +122,14 @@ class MistralParser(JsonCallParser):
                     self._call(sc, (len(self.calls),), whole=True)
                 for call in self.calls:
                     out += call.poll()
+                    if call.rejected:  # nothing after a call to no tool is read
+                        self.malformed, self.state = True, "junk"
+                        return out
                     written = sc.string_value((call.index, "id"))  # Nemo writes each call's id in its object
                     if written is not None and _ID.fullmatch(written):
                         call.id = written
-                if sc.error or any(c.rejected for c in self.calls):
-                    self.malformed = True
+                if sc.error:
+                    self.malformed, self.state = True, "junk"
                     return out
                 if not sc.done:
                     return out
