@@ -132,7 +132,7 @@ def _moe_gemm(
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
     slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     m_mask = slots < n_slots
-    rows = slots // top_k if GATHER_TOKENS else slots
+    rows = (slots // top_k if GATHER_TOKENS else slots).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_w = tl.arange(0, BLOCK_K // PACK)

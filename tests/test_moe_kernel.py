@@ -88,6 +88,7 @@ CASES = [
     (40, 4, 2, 128, 128, -1, 4, True, F16),
     (9, 8, 1, 128, 64, 64, 8, False, F16),
     (70, 4, 2, 64, 64, 32, 4, False, BF16),
+    (100, 4, 2, 64, 64, 64, 4, True, F16),  # 50 slots per expert: 64-row tiles (half K blocks)
 ]
 
 

@@ -112,12 +112,20 @@ def test_auto_picks_the_torch_backend_and_the_quantizers_refuse_gemma(gemma_dir,
 
 
 def test_inspect_names_the_windowed_layers(gemma_dir):
-    from quantserve.formats.summary import render_summary, summarize
+    from quantserve.formats.summary import _hf_windows, render_summary, summarize
 
     s = summarize(gemma_dir)
     local = 2 if gemma_dir.name.startswith("gemma2") else 3
     assert s.windows == f"{local} of 4 layers within 6 tokens, {4 - local} global"
     assert f"attention windows: {s.windows}" in render_summary(s)
+    # configs from before layer_types: Gemma 2 alternates, Gemma 3 has a pattern
+    old = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 12, "sliding_window": 512}
+    assert (
+        _hf_windows({**old, "architectures": ["Gemma2ForCausalLM"]})
+        == "6 of 12 layers within 512 tokens, 6 global"
+    )
+    gemma3 = {**old, "architectures": ["Gemma3ForCausalLM"], "sliding_window_pattern": 6}
+    assert _hf_windows(gemma3) == "10 of 12 layers within 512 tokens, 2 global"
 
 
 def test_gemma3s_multimodal_checkpoint_serves_its_language_model(smollm2_gguf, tmp_path):
@@ -138,3 +146,23 @@ def test_gemma3s_multimodal_checkpoint_serves_its_language_model(smollm2_gguf, t
     ours = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
     assert ours.args.arch == "gemma3_text" and ours.args.rope_local_theta == 10000.0
     assert_logits_match(ours, hf, LONG)
+
+
+def test_a_sparse_gemma3_config_reads_with_gemma3s_defaults():
+    """Gemma 3's multimodal configs give only what differs from Gemma3TextConfig's defaults (google/gemma-3-4b-it's
+    text_config, as published): the rest is Gemma 3's, not the generic fallbacks."""
+    from quantserve.backends.torch.args import ModelArgs
+
+    cfg = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"},
+    }  # fmt: skip
+    a = ModelArgs.from_hf_config(cfg)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.vocab_size) == (8, 4, 256, 262208)
+    assert (a.rope_theta, a.rope_local_theta, a.max_position_embeddings) == (1e6, 1e4, 131072)
+    assert dict(a.rope_scaling) == {"factor": 8.0, "rope_type": "linear"} and a.query_pre_attn_scalar == 256
+    assert a.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert a.tie_word_embeddings and not a.attn_softcap and not a.final_softcap

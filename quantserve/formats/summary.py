@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantserve.errors import UnsupportedFormatError
 from quantserve.formats.detect import detect
 from quantserve.formats.gguf import read_gguf_info
 from quantserve.formats.safetensors_header import DTYPE_BITS, read_safetensors_header
@@ -159,7 +160,7 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
         "quant_types": _types_by_class(classes),
         "context_length": ctx,
         "experts": _hf_experts({**config, **text}),
-        "windows": _hf_windows({**config, **text}),
+        "windows": _hf_windows(config),
     }
 
 
@@ -190,15 +191,22 @@ def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
 
 
 def _hf_windows(config: dict[str, Any]) -> str | None:
-    """'3 of 4 layers within 4096 tokens, 1 global' (Gemma's layer_types), 'every layer within 2047 tokens'."""
-    window = config.get("sliding_window")
-    if not isinstance(window, int) or not window or config.get("use_sliding_window") is False:
+    """'3 of 4 layers within 4096 tokens, 1 global', 'every layer within 2047 tokens': the windows the torch
+    backend's model reads from config.json (ModelArgs: Gemma's layer types, old configs' patterns, the families
+    whose every layer is windowed); None for a model without, or one that model does not read."""
+    from quantserve.backends.torch.args import ModelArgs  # reads config.json only: no torch import
+
+    try:
+        windows = ModelArgs.from_hf_config(config).layer_windows
+    except (UnsupportedFormatError, KeyError, TypeError, ValueError):
         return None
-    types = config.get("layer_types")
-    if not isinstance(types, list):
-        return f"every layer within {window} tokens"
-    local = sum(t == "sliding_attention" for t in types)
-    return f"{local} of {len(types)} layers within {window} tokens, {len(types) - local} global"
+    sizes = sorted({w for w in windows if w})
+    if not sizes:
+        return None
+    local = sum(1 for w in windows if w)
+    if local == len(windows):
+        return f"every layer within {'/'.join(map(str, sizes))} tokens"
+    return f"{local} of {len(windows)} layers within {'/'.join(map(str, sizes))} tokens, {len(windows) - local} global"
 
 
 def _gguf_windows(md: dict[str, Any], arch: str | None) -> str | None:

@@ -67,6 +67,8 @@ class ModelArgs:
             return replace(cls.from_hf_config(_wrapped_text(cfg)), checkpoint_names=WRAPPED_NAMES)
         known = torch_architectures()
         arch = next((known[n] for n in names if n in known), None)
+        if arch in GEMMA_DEFAULTS:  # Gemma's configs leave out what their config class defaults
+            cfg = {**GEMMA_DEFAULTS[arch], **cfg}
         if arch is None:
             raise UnsupportedFormatError(
                 f"architecture {names or cfg.get('model_type')!r} is not supported by the torch backend "
@@ -106,7 +108,8 @@ class ModelArgs:
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
         moe = _moe_args(cfg, renormalize=True if arch == "mixtral" else None) if arch in MOE else {}
-        window = int(cfg.get("sliding_window") or 0)
+        # MistralConfig defaults sliding_window to 4096 (configs since v0.2 spell out null)
+        window = int(cfg.get("sliding_window", 4096 if arch == "mistral" else 0) or 0)
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -138,6 +141,17 @@ class ModelArgs:
 
 
 GEMMA = ("gemma2", "gemma3_text")
+# transformers' Gemma2Config / Gemma3TextConfig defaults for the keys a released config may leave out (Gemma 3's
+# multimodal configs give little more than the sizes that differ); rope per layer type is read below
+_GEMMA_COMMON = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                     sliding_window=4096, query_pre_attn_scalar=256, tie_word_embeddings=True)  # fmt: skip
+GEMMA_DEFAULTS = {
+    "gemma2": {**_GEMMA_COMMON, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_GEMMA_COMMON, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
+}  # fmt: skip
 
 
 def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[str, Any]:

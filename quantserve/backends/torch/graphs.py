@@ -60,7 +60,12 @@ class DecodeGraphs:
         self.rows = torch.arange(n, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        model.rotary(self.positions[:1], n_ctx - 1)  # the whole table now: a replay must never see it regrow
+        for rotary in (
+            model.rotary,
+            model.rotary_local,
+        ):  # whole tables now: a replay must never see one regrow
+            if rotary is not None:
+                rotary(self.positions[:1], n_ctx - 1)
         if capture:
             t0 = time.perf_counter()
             pool = None

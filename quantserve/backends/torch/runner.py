@@ -114,17 +114,18 @@ class TorchRunner:
             )
         # Decode attention reads block tables in the Triton kernel on CUDA; on the CPU it gathers cells. The norms,
         # rotary + KV write and silu * up run as Triton kernels wherever Triton runs.
-        self.paged_kernel = paged_attention.can_run(device)[0]
-        windowed = any(
-            0 < w < self.n_ctx for w in model.args.layer_windows
-        )  # a window as long as the context
-        if self.paged_kernel and (windowed or model.args.attn_softcap):  # changes nothing
+        triton = paged_attention.can_run(device)[0]
+        model.use_fused_kernels(
+            triton
+        )  # the norms, rotary + KV write and silu * up: windows change none of them
+        # a window as long as the context changes nothing
+        windowed = any(0 < w < self.n_ctx for w in model.args.layer_windows)
+        self.paged_kernel = triton and not (windowed or model.args.attn_softcap)
+        if triton and not self.paged_kernel:
             # the kernel knows neither windows nor capped scores: such a model gathers its context (no graphs)
             log.info(
                 "windowed or soft-capped attention: decode attends through gathered cells, without graphs"
             )
-            self.paged_kernel = False
-        model.use_fused_kernels(self.paged_kernel)
         a = model.args
         # One block more than the ledger hands out: the scratch block that unused CUDA-graph rows write to.
         for layer in model.model.layers:

@@ -18,7 +18,8 @@ def _llama_config(config: Mapping[str, Any], tensor_names: frozenset[str]) -> di
 
 
 # MistralForCausalLM without sliding-window attention is the same network; llama.cpp's LlamaModel converts
-# both (conversion/llama.py registers "MistralForCausalLM") and ignores `sliding_window`, as we do.
+# both (conversion/llama.py registers "MistralForCausalLM") and ignores `sliding_window`, as this conversion does.
+# (The torch backend honours the window: a Mistral 7B v0.1 differs between the two past 4096 tokens.)
 LLAMA = ArchSpec(
     gguf_arch="llama",
     hf_model_types=("llama", "mistral"),
