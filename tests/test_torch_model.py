@@ -297,19 +297,51 @@ def test_phi3_int4_at_load_equals_transformers_on_the_dequantized_weights(tmp_pa
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
 
 
-def test_quantizers_refuse_phi3s_fused_projections_by_name(tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_phi3s_fused_projections_quantize_as_the_linears_they_are(method, tmp_path):
+    """`quantserve convert --quant gptq|rtn` on Phi-3: q|k|v and gate|up quantized as the single linears the
+    checkpoint has (qkv_proj, gate_up_proj: what GPTQModel writes for Phi-3), served by the torch backend with
+    transformers' logits on the checkpoint dequantized exactly; AWQ, whose scales would have to be split across
+    the fused rows, is refused by name before any work."""
+    from safetensors import safe_open
+
+    from quantserve.backends.torch.quant_linear import QuantLinear
+    from quantserve.backends.torch.weights import load_model
     from quantserve.converters.calibration.quantize import quantize_checkpoint
     from quantserve.errors import ConfigError
+    from quantserve.formats import detect
+    from quantserve.quant.dequantize import dequantize_checkpoint
 
     config_cls, extra = CASES["phi3"]
-    transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra)).save_pretrained(
-        tmp_path / "src"
-    )
-    for budget in (None, 5.0):  # refused before any work, --bits-budget's sensitivity pass included
-        with pytest.raises(ConfigError, match=r"q\|k\|v and gate\|up are fused in the checkpoint \(phi3\)"):
-            quantize_checkpoint(tmp_path / "src", tmp_path / "out", "rtn", group_size=32, bits_budget=budget,
-                                calib_tokens=torch.ones(1, 8, dtype=torch.long), progress=False)  # fmt: skip
-    assert not (tmp_path / "out").exists()
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra))
+    hf.save_pretrained(tmp_path / "src")
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / method
+    quantize_checkpoint(tmp_path / "src", out, method, group_size=32, calib_tokens=tokens, progress=False)
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {
+            "model.layers.1.self_attn.qkv_proj.qweight",
+            "model.layers.1.mlp.gate_up_proj.qweight",
+        } <= set(f.keys())
+    ours = load_model(detect(out), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantize_checkpoint(out, tmp_path / "dq", dtype="float32"), dtype=torch.float32
+    ).eval()
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours.compute_logits(ours(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    with pytest.raises(ConfigError, match=r"awq does not handle .* fused in the checkpoint \(phi3\)"):
+        quantize_checkpoint(tmp_path / "src", tmp_path / "awq", "awq", group_size=32, calib_tokens=tokens,
+                            progress=False)  # fmt: skip
+    assert not (tmp_path / "awq").exists()
+    if method == "rtn":  # --bits-budget's sensitivity pass scores the fused linears too
+        quantize_checkpoint(tmp_path / "src", tmp_path / "mixed", method, group_size=32, bits_budget=5.0,
+                            calib_tokens=tokens, progress=False)  # fmt: skip
+        assert isinstance(load_model(detect(tmp_path / "mixed"), dtype=torch.float32,
+                                     device=torch.device("cpu")).model.layers[1].mlp.gate_up_proj, QuantLinear)  # fmt: skip
 
 
 def test_longrope_needs_its_original_context():

@@ -41,6 +41,12 @@ SAME_INPUT = {
 # AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax.
 AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
 EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoint fuses q|k|v and gate|up: four linears, each its own sequential group
+FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def fused(block: nn.Module) -> bool:
+    return getattr(block.self_attn, "qkv_proj", None) is not None
 
 
 def n_experts(block: nn.Module) -> int:
@@ -50,6 +56,8 @@ def n_experts(block: nn.Module) -> int:
 
 def block_linears(block: nn.Module) -> tuple[str, ...]:
     """The quantized linears of a block, in order (a router, `mlp.gate`, is not one of them)."""
+    if fused(block):
+        return FUSED_LINEARS
     if not n_experts(block):
         return LINEARS
     experts = tuple(f"mlp.experts.{e}.{p}" for e in range(n_experts(block)) for p in EXPERT_LINEARS)
@@ -58,6 +66,8 @@ def block_linears(block: nn.Module) -> tuple[str, ...]:
 
 def sequential_groups(block: nn.Module) -> tuple[tuple[str, ...], ...]:
     """SEQUENTIAL for the block: a MoE's experts go in two groups, every gate|up, then every down."""
+    if fused(block):
+        return tuple((name,) for name in FUSED_LINEARS)
     if not n_experts(block):
         return SEQUENTIAL
     experts = block_linears(block)[4:]
@@ -135,10 +145,10 @@ def check_model(args: ModelArgs, method: str) -> None:
             f"quantizing {args.arch}, whose checkpoint names its layers differently from quantserve's model, is "
             "not supported yet; serve it with --quant int4 at load, or convert it to GGUF"
         )
-    if args.fused:
+    if args.fused and method in ("awq", "awq-gptq"):
         raise ConfigError(
-            f"quantizing a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) is not "
-            "supported yet; serve it with --quant int4 at load, or convert it to GGUF"
+            f"{method} does not handle a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) "
+            "yet; use --quant gptq or rtn for this model"
         )
     if args.sandwich_norms:
         raise ConfigError(

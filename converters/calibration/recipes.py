@@ -29,7 +29,7 @@ from quantserve.converters.calibration.driver import (
     empty_block,
     load_layer,
 )
-from quantserve.converters.calibration.layers import LINEARS
+from quantserve.converters.calibration.layers import FUSED_LINEARS, LINEARS
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
 from quantserve.quant.rtn import quantize_rtn
@@ -61,10 +61,10 @@ def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     kinds = {
         "self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
         "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f),
+        "self_attn.qkv_proj": (q + 2 * kv, d), "mlp.gate_up_proj": (2 * f, d),
     }  # fmt: skip
-    return {
-        f"model.layers.{i}.{name}": kinds[name] for i in range(args.num_hidden_layers) for name in LINEARS
-    }
+    names = FUSED_LINEARS if args.fused else LINEARS
+    return {f"model.layers.{i}.{name}": kinds[name] for i in range(args.num_hidden_layers) for name in names}
 
 
 @torch.no_grad()
@@ -121,7 +121,7 @@ def sensitivity(
     shapes = linear_shapes(args)
     bar = tqdm(total=len(shapes), desc="sensitivity", unit="linear", disable=not progress)
     for i, block in enumerate(blocks):
-        for name in LINEARS:
+        for name in FUSED_LINEARS if args.fused else LINEARS:
             linear = block.get_submodule(name)
             w = linear.weight.detach().clone()
             linear.weight.copy_(quantize_rtn(w, bits, group_size, sym, torch.float16, name).dequantize().t())
