@@ -356,21 +356,43 @@ def test_longrope_needs_its_original_context():
     assert dict(su.rope_scaling)["rope_type"] == "longrope"  # Phi3Config renames its older configs' types too
 
 
-def test_mixtral_loads_under_its_own_names_and_its_quantizers_refuse(tmp_path):
-    """Mixtral's checkpoint names (`block_sparse_moe.experts.E.w1/w2/w3`) load into the shared MoE modules; the
-    quantizers, which write quantserve's own names, refuse it rather than write a checkpoint transformers cannot
-    read."""
+def test_mixtral_loads_and_quantizes_under_its_own_names(tmp_path):
+    """Mixtral's checkpoint names (`block_sparse_moe.experts.E.w1/w2/w3`) load into the shared MoE modules, and
+    GPTQ writes its experts back under those names (as GPTQModel does for Mixtral), the router dense: the torch
+    backend serves the result with transformers' logits on it dequantized exactly."""
+    from safetensors import safe_open
+
+    from quantserve.backends.torch.quant_linear import QuantLinear
     from quantserve.backends.torch.weights import load_model
     from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from quantserve.errors import ConfigError
     from quantserve.formats import detect
+    from quantserve.quant.dequantize import dequantize_checkpoint
 
-    hf, ours = tiny_pair("mixtral", tmp_path)
-    loaded = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
+    hf, ours = tiny_pair("mixtral", tmp_path / "src")
+    loaded = load_model(detect(tmp_path / "src"), dtype=torch.float32, device=torch.device("cpu"))
     ids = torch.randint(0, TINY["vocab_size"], (1, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = hf(ids).logits
         got = loaded.compute_logits(loaded(ids))
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
-    with pytest.raises(ConfigError, match="names its layers differently"):
-        quantize_checkpoint(tmp_path, tmp_path / "out", "rtn", group_size=32, progress=False)
+    config_cls, extra = CASES["mixtral"]  # k/v and experts 64 and 128 wide: Marlin tiles are 64 columns
+    torch.manual_seed(0)
+    sizes = {**TINY, "intermediate_size": 128, "num_key_value_heads": 4}
+    wide = transformers.AutoModelForCausalLM.from_config(config_cls(**sizes, **extra))
+    wide.save_pretrained(tmp_path / "wide")
+    tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantize_checkpoint(
+        tmp_path / "wide", tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False
+    )
+    with safe_open(tmp_path / "q" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {f"model.layers.1.block_sparse_moe.experts.3.{w}.qweight" for w in ("w1", "w2", "w3")} <= names
+    assert "model.layers.1.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    ours = load_model(detect(tmp_path / "q"), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours.model.layers[1].mlp.experts[3].up_proj, QuantLinear)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantize_checkpoint(tmp_path / "q", tmp_path / "dq", dtype="float32"), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours.compute_logits(ours(ids))
+    assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -50,13 +50,18 @@ class DenseTensor:
 
 
 class SafetensorsReader:
-    """The tensors of a dense checkpoint by name, each read on request from safetensors' memory map."""
+    """The tensors of a dense checkpoint by name, each read on request from safetensors' memory map. `rename`
+    (ModelArgs.our_name) gives each the name quantserve's model uses (Mixtral's `block_sparse_moe.experts.E.w1`
+    is `mlp.experts.E.gate_proj`): tensors are asked for by those names, and `their_name` gives the
+    checkpoint's back, for the output."""
 
-    def __init__(self, files: tuple[Path, ...] | list[Path]):
+    def __init__(self, files: tuple[Path, ...] | list[Path], rename: Callable[[str], str] | None = None):
         from safetensors import safe_open
 
         self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 - not a dict
+        where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 - not a dict
+        self._theirs = {(rename(n) if rename else n): n for n in where}  # ours -> the checkpoint's
+        self._where = {ours: where[theirs] for ours, theirs in self._theirs.items()}
 
     def names(self) -> set[str]:
         return set(self._where)
@@ -67,7 +72,13 @@ class SafetensorsReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise ModelFileError(f"the checkpoint has no tensor '{name}'; is it complete?")
-        return self._where[name].get_tensor(name)
+        return self._where[name].get_tensor(self._theirs[name])
+
+    def their_name(self, name: str) -> str:
+        """The checkpoint's name of one of ours (a tensor, or a linear's prefix)."""
+        if name in self._theirs:
+            return self._theirs[name]
+        return self._theirs.get(name + ".weight", name + ".weight").removesuffix(".weight")
 
 
 def default_calibration_text() -> str:
@@ -173,7 +184,7 @@ def quantize_model(
     else:
         calib_tokens = None
     dev = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    return _stream(SafetensorsReader(spec.files), args, calib_tokens, opt, dev, progress)
+    return _stream(SafetensorsReader(spec.files, args.our_name), args, calib_tokens, opt, dev, progress)
 
 
 @torch.no_grad()
@@ -226,9 +237,9 @@ def _stream(
                     bias = state.get(module + ".bias")
                     qw, loss = results[module]
                     b = None if bias is None else bias.to("cpu", dtypes[module + ".bias"], copy=True)
-                    yield QuantizedLinear(prefix + module, _to_cpu(qw), b, loss)
+                    yield QuantizedLinear(reader.their_name(prefix + module), _to_cpu(qw), b, loss)
             else:
-                yield DenseTensor(prefix + name, p.to("cpu", dtypes[name], copy=True))
+                yield DenseTensor(reader.their_name(prefix + name), p.to("cpu", dtypes[name], copy=True))
     del block, state, hidden
     yield DenseTensor(FINAL_NORM, reader.get(FINAL_NORM))
     if LM_HEAD in reader and not args.tie_word_embeddings:

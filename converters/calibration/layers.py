@@ -140,11 +140,6 @@ class QuantizeOptions:
 
 def check_model(args: ModelArgs, method: str) -> None:
     """Raises ConfigError for a model these quantizers cannot do (yet), naming why and what to do instead."""
-    if args.checkpoint_names:
-        raise ConfigError(
-            f"quantizing {args.arch}, whose checkpoint names its layers differently from quantserve's model, is "
-            "not supported yet; serve it with --quant int4 at load, or convert it to GGUF"
-        )
     if args.fused and method in ("awq", "awq-gptq"):
         raise ConfigError(
             f"{method} does not handle a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) "

@@ -93,7 +93,7 @@ def sensitivity(
     if spec.format != "safetensors" or not spec.config:
         raise ConfigError(f"{src} is not a dense safetensors checkpoint; the sensitivity pass reads those")
     args = ModelArgs.from_hf_config(spec.config)
-    reader = SafetensorsReader(spec.files)
+    reader = SafetensorsReader(spec.files, args.our_name)
     n_layers = args.num_hidden_layers
     blocks = []
     for i in range(n_layers):
