@@ -173,11 +173,12 @@ def test_a_router_that_disagrees_with_num_experts_is_refused(moe_dir, tmp_path):
         load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
 
 
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "awq-gptq"])
 def test_quantserve_convert_writes_a_moe_checkpoint_the_torch_backend_serves(method, moe_dir, tmp_path):
-    """`quantserve convert --quant gptq|rtn`: every expert's three linears quantized in GPTQModel's per-expert
-    layout, the routers dense; served by the torch backend (Marlin) with transformers' logits on the checkpoint
-    dequantized exactly."""
+    """`quantserve convert --quant gptq|rtn|awq|awq-gptq`: every expert's three linears quantized in the per-expert
+    layout of GPTQModel (AutoAWQ for awq), the routers dense (AWQ's shared gate|up scale folded into the router's
+    columns too); served by the torch backend (Marlin) with transformers' logits on the checkpoint dequantized
+    exactly."""
     from safetensors import safe_open
 
     from quantserve.converters.calibration.quantize import quantize_checkpoint
@@ -226,10 +227,27 @@ def test_calibration_gives_every_expert_every_token(moe_dir):
     assert torch.allclose(all_experts, routed, atol=1e-5)
 
 
-def test_awq_refuses_a_mixture_of_experts_by_name(moe_dir, tmp_path):
-    from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from quantserve.errors import ConfigError
+def test_awqs_scales_leave_a_moe_block_computing_what_it_did(moe_dir):
+    """AWQ folds its scales into the norms and weights before rounding: the post-attention norm's into every
+    expert's gate|up and the router's columns, each up's into its down. Folded, the block computes what it did,
+    routing included (the router reads the rescaled norm)."""
+    from quantserve.backends.torch.model import ModelArgs
+    from quantserve.backends.torch.rope import RotaryEmbedding
+    from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer
+    from quantserve.converters.calibration.layers import QuantizeOptions, awq_scale_block
 
-    with pytest.raises(ConfigError, match="awq does not handle a mixture of experts"):
-        quantize_checkpoint(moe_dir, tmp_path / "awq", "awq", calib_tokens=torch.ones(2, 8, dtype=torch.long))
-    assert not (tmp_path / "awq").exists()
+    args = ModelArgs.from_hf_config(json.loads((moe_dir / "config.json").read_text()))
+    block = empty_block(args, torch.device("cpu"))
+    load_layer(SafetensorsReader(detect(moe_dir).files), block.state_dict(), 0)
+    block.mlp.calibrate_all = False
+    hidden = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(3))
+    rope = RotaryEmbedding(args)(torch.arange(16), 15)
+    with torch.no_grad():
+        before = block(hidden, rope)
+        router = block.mlp.gate.weight.clone()
+        block.mlp.calibrate_all = True  # as the driver calibrates
+        awq_scale_block(block, hidden, rope, QuantizeOptions("awq", 4, 64, False, False))
+        block.mlp.calibrate_all = False
+        after = block(hidden, rope)
+    assert not torch.equal(router, block.mlp.gate.weight)  # a scale was folded into the router
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
