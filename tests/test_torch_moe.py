@@ -251,3 +251,34 @@ def test_awqs_scales_leave_a_moe_block_computing_what_it_did(moe_dir):
         after = block(hidden, rope)
     assert not torch.equal(router, block.mlp.gate.weight)  # a scale was folded into the router
     assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bits_budget_scores_every_expert_and_leaves_the_routers_dense(moe_dir, tmp_path):
+    """--bits-budget: the sensitivity pass rounds each linear alone, every expert's three included, and the
+    recipe spends the budget on the most sensitive; the routers are never among them. The result serves with
+    transformers' logits on it dequantized."""
+    from safetensors import safe_open
+
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.converters.calibration.recipes import linear_shapes
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    args = load_model(detect(moe_dir), dtype=torch.float32, device=torch.device("cpu")).args
+    names = linear_shapes(args)
+    assert "model.layers.1.mlp.experts.3.down_proj" in names and not any(
+        n.endswith("mlp.gate") for n in names
+    )
+    tokens = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / "mixed"
+    quantize_checkpoint(
+        moe_dir, out, "rtn", group_size=64, bits_budget=6.0, calib_tokens=tokens, progress=False
+    )
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config.get("dynamic")  # some linears got other bits than the base 4
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.gate.weight" in set(f.keys())
+    ours = load_model(detect(out), dtype=torch.float32, device=torch.device("cpu"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantize_checkpoint(out, tmp_path / "dq", dtype="float32"), dtype=torch.float32
+    ).eval()
+    assert_logits_match(ours, ref, PROMPTS[2])

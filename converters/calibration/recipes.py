@@ -29,7 +29,7 @@ from quantserve.converters.calibration.driver import (
     empty_block,
     load_layer,
 )
-from quantserve.converters.calibration.layers import FUSED_LINEARS, LINEARS
+from quantserve.converters.calibration.layers import FUSED_LINEARS, LINEARS, block_linears
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
 from quantserve.quant.rtn import quantize_rtn
@@ -64,6 +64,11 @@ def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
         "self_attn.qkv_proj": (q + 2 * kv, d), "mlp.gate_up_proj": (2 * f, d),
     }  # fmt: skip
     names = FUSED_LINEARS if args.fused else LINEARS
+    if args.num_experts:  # attention as usual; each expert's gate, up and down (the router stays dense)
+        fe = args.moe_intermediate_size
+        per = {"gate_proj": (fe, d), "up_proj": (fe, d), "down_proj": (d, fe)}
+        kinds |= {f"mlp.experts.{e}.{p}": shape for e in range(args.num_experts) for p, shape in per.items()}
+        names = LINEARS[:4] + tuple(f"mlp.experts.{e}.{p}" for e in range(args.num_experts) for p in per)
     return {f"model.layers.{i}.{name}": kinds[name] for i in range(args.num_hidden_layers) for name in names}
 
 
@@ -121,7 +126,7 @@ def sensitivity(
     shapes = linear_shapes(args)
     bar = tqdm(total=len(shapes), desc="sensitivity", unit="linear", disable=not progress)
     for i, block in enumerate(blocks):
-        for name in FUSED_LINEARS if args.fused else LINEARS:
+        for name in block_linears(block):
             linear = block.get_submodule(name)
             w = linear.weight.detach().clone()
             linear.weight.copy_(quantize_rtn(w, bits, group_size, sym, torch.float16, name).dequantize().t())
