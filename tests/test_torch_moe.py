@@ -174,7 +174,9 @@ def test_a_router_that_disagrees_with_num_experts_is_refused(moe_dir, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "awq-gptq"])
-def test_quantserve_convert_writes_a_moe_checkpoint_the_torch_backend_serves(method, moe_dir, tmp_path):
+def test_quantserve_convert_writes_a_moe_checkpoint_the_torch_backend_serves(
+    method, moe_dir, tmp_path, monkeypatch
+):
     """`quantserve convert --quant gptq|rtn|awq|awq-gptq`: every expert's three linears quantized in the per-expert
     layout of GPTQModel (AutoAWQ for awq), the routers dense (AWQ's shared gate|up scale folded into the router's
     columns too); served by the torch backend (Marlin) with transformers' logits on the checkpoint dequantized
@@ -201,6 +203,14 @@ def test_quantserve_convert_writes_a_moe_checkpoint_the_torch_backend_serves(met
     ref_dir = dequantize_checkpoint(out, tmp_path / "dq", dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     assert_logits_match(ours, ref, PROMPTS[2])
+    if method in ("gptq", "awq"):  # the same checkpoint on the grouped kernel, as a GPU runs it (interpreted)
+        from quantserve.backends.torch.fuse import fuse_projections
+
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        _experts_on_triton(ours)
+        fuse_projections(ours)
+        assert all(x.mlp.grouped is not None for x in ours.model.layers)
+        assert_logits_match(ours, ref, PROMPTS[2])
 
 
 def test_calibration_gives_every_expert_every_token(moe_dir):
