@@ -166,3 +166,14 @@ def test_a_sparse_gemma3_config_reads_with_gemma3s_defaults():
     assert dict(a.rope_scaling) == {"factor": 8.0, "rope_type": "linear"} and a.query_pre_attn_scalar == 256
     assert a.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
     assert a.tie_word_embeddings and not a.attn_softcap and not a.final_softcap
+
+
+def test_the_plan_says_the_windows_save_no_kv_memory(gemma_dir):
+    from quantserve.backends.torch.backend import TorchBackend
+    from quantserve.core.settings import EngineSettings
+
+    plan = TorchBackend().plan(detect(gemma_dir), EngineSettings(max_num_seqs=1), "asked for")
+    local = 2 if gemma_dir.name.startswith("gemma2") else 3
+    assert any(
+        f"attend within 6 tokens in {local} of 4 layers" in s and "save no KV memory" in s for s in plan.steps
+    )

@@ -10,7 +10,7 @@ from quantserve.core.model_size import model_shape, torch_kv
 from quantserve.core.plan import ModelPlan
 from quantserve.core.runner import Loaded, ModelInfo
 from quantserve.core.settings import EngineSettings
-from quantserve.errors import BackendUnavailableError, require_torch
+from quantserve.errors import BackendUnavailableError, UnsupportedFormatError, require_torch
 from quantserve.formats import ModelSpec
 from quantserve.formats.hf_config import is_llava
 
@@ -60,6 +60,8 @@ class TorchBackend:
         steps = [f"{weights}, {where}"]
         if llava:
             steps.append("load the CLIP vision tower and its projector")
+        if windows := _window_step(spec):
+            steps.append(windows)
         shape = model_shape(spec)
         fill = device.type == "cuda" and settings.torch.kv_fill_gpu
         kv = (
@@ -125,4 +127,22 @@ def _llava_vision(config: dict) -> str:
         f"{v.get('image_size', '?')} px images in {v.get('patch_size', '?')} px patches, features of layer "
         f"{config.get('vision_feature_layer', -2)}), {config.get('projector_hidden_act', 'gelu')} MLP projector, "
         f"{text.get('model_type', 'llama')} language model"
+    )
+
+
+def _window_step(spec: ModelSpec) -> str | None:
+    """What the plan says of a model whose layers attend within a window: the masks are exact, and the KV is
+    not bounded by the window (every layer shares one block table, so a block leaves when its sequence does)."""
+    from quantserve.backends.torch.args import ModelArgs  # no torch import: the plan is made without it
+
+    try:
+        windows = ModelArgs.from_hf_config(dict(spec.config or {})).layer_windows
+    except (UnsupportedFormatError, KeyError, TypeError, ValueError):
+        return None
+    local = [w for w in windows if w]
+    if not local:
+        return None
+    return (
+        f"attend within {max(local)} tokens in {len(local)} of {len(windows)} layers (exact masks); their KV is "
+        "kept for the whole context, since every layer shares one block table, so the windows save no KV memory"
     )
