@@ -96,19 +96,48 @@ def test_layer_types_that_do_not_fit_the_layers_are_refused(gemma_dir, tmp_path)
         load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_auto_picks_the_torch_backend_and_the_quantizers_refuse_gemma(gemma_dir, tmp_path):
+def test_auto_picks_the_torch_backend_and_awq_refuses_gemma(gemma_dir, tmp_path):
     """llama.cpp cannot be given a Gemma (no GGUF conversion yet), so `--backend auto` picks torch on any
-    machine; GPTQ and friends refuse it by name before any work."""
+    machine; AWQ, whose scales assume Llama's norm placement, and --bits-budget refuse it by name before any
+    work."""
     from quantserve.backends.select import choose_backend
     from quantserve.converters.calibration.quantize import quantize_checkpoint
     from quantserve.errors import ConfigError
 
     assert choose_backend(detect(gemma_dir), "auto")[0] == "torch"
-    with pytest.raises(ConfigError, match="Gemma"):
-        quantize_checkpoint(
-            gemma_dir, tmp_path / "q", "gptq", calib_tokens=torch.ones(2, 8, dtype=torch.long)
-        )
+    tokens = torch.ones(2, 8, dtype=torch.long)
+    with pytest.raises(ConfigError, match="awq does not handle gemma"):
+        quantize_checkpoint(gemma_dir, tmp_path / "q", "awq", calib_tokens=tokens)
+    with pytest.raises(ConfigError, match="--bits-budget does not handle Gemma"):
+        quantize_checkpoint(gemma_dir, tmp_path / "q", "rtn", bits_budget=5.0, calib_tokens=tokens)
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_gptq_and_rtn_checkpoints_of_gemma_serve_as_transformers_dequantized(method, gemma_dir, tmp_path):
+    """`quantserve convert --quant gptq|rtn` on Gemma: each layer calibrated with its own window and rope, its
+    norms written back as stored (w, not 1 + w); the torch backend serves the checkpoint with transformers'
+    logits on it dequantized exactly, and `--backend auto` picks the torch backend for it on this CPU."""
+    from safetensors.torch import load_file
+
+    from quantserve.backends.select import choose_backend
+    from quantserve.backends.torch.quant_linear import QuantLinear
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    tokens = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(0))
+    out = tmp_path / method
+    quantize_checkpoint(gemma_dir, out, method, group_size=32, calib_tokens=tokens, progress=False)
+    src, q = load_file(gemma_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    norm = "model.layers.2.post_feedforward_layernorm.weight"
+    assert torch.equal(q[norm], src[norm])  # the norm as the checkpoint stores it
+    assert choose_backend(detect(out), "auto")[0] == "torch"
+    ours = load_model(detect(out), dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours.model.layers[2].self_attn.q_proj, QuantLinear)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        dequantize_checkpoint(out, tmp_path / "dq", dtype="float32"), dtype=torch.float32
+    ).eval()
+    assert_logits_match(ours, ref, LONG)
 
 
 def test_inspect_names_the_windowed_layers(gemma_dir):
@@ -177,3 +206,31 @@ def test_the_plan_says_the_windows_save_no_kv_memory(gemma_dir):
     assert any(
         f"attend within 6 tokens in {local} of 4 layers" in s and "save no KV memory" in s for s in plan.steps
     )
+
+
+def test_calibration_feeds_each_gemma_layer_what_transformers_does(gemma_dir, monkeypatch):
+    """The calibration pass runs each layer with its own window and rope, from the scaled embedding: the input
+    GPTQ sees at every layer is transformers' hidden state there (8-bit GPTQ, whose rounding of the layers before
+    moves it by a little; a wrong window or rope would move it by far more)."""
+    from quantserve.converters.calibration import driver
+
+    seen = []
+    real = driver.LAYER_METHODS["gptq"]
+
+    def spy(block, hidden, rope, opt):
+        seen.append(hidden.clone())
+        return real(block, hidden, rope, opt)
+
+    monkeypatch.setitem(driver.LAYER_METHODS, "gptq", spy)
+    tokens = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    for _ in driver.quantize_model(
+        gemma_dir, "gptq", bits=8, group_size=32, calib_tokens=tokens, progress=False
+    ):
+        pass
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = ref(tokens, output_hidden_states=True).hidden_states
+    assert len(seen) == 4
+    for i, h in enumerate(seen):
+        err = (h - states[i]).abs().mean() / states[i].abs().mean()
+        assert err < 1e-2, f"layer {i}: relative error {err:.2e}"

@@ -199,11 +199,17 @@ def _stream(
     used = {EMBED, FINAL_NORM, LM_HEAD}
     embed = reader.get(EMBED)
     yield DenseTensor(EMBED, embed)
-    hidden = rope = None
+    hidden = rope = local = None
     if tokens is not None:
         hidden = torch.nn.functional.embedding(tokens.to(device), embed.to(device, torch.float32))
+        if args.embed_scale:  # Gemma
+            hidden *= args.hidden_size**0.5
         n = tokens.shape[1]
         rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)  # the model's, once
+        local = rope  # Gemma 3's windowed layers have a rope of their own
+        if args.rope_local_theta:
+            local_args = replace(args, rope_theta=args.rope_local_theta, rope_scaling=())
+            local = RotaryEmbedding(local_args).to(device)(torch.arange(n, device=device), n - 1)
     del embed
     block = empty_block(args, device)
     state = block.state_dict()
@@ -213,16 +219,19 @@ def _stream(
     for i in bar:
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
-        dtypes = load_layer(reader, state, i)
+        dtypes = load_layer(reader, state, i, args.norm_offset)
         used.update(prefix + name for name in state)
+        window = args.layer_windows[i] if args.layer_windows else 0
+        block.self_attn.window = window  # one block serves every layer: its window is the layer's
+        layer_rope = local if window else rope
         results = LAYER_METHODS[opt.method](
-            block, hidden, rope if hidden is not None else None, replace(opt, layer=i)
+            block, hidden, layer_rope if hidden is not None else None, replace(opt, layer=i)
         )
         for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
             if name.removesuffix(".weight") not in linears:
                 p.copy_(p.to(dtypes[name]))
         if hidden is not None and i + 1 < n_layers:
-            run_block(block, hidden, rope, opt.batch_size, out=hidden)
+            run_block(block, hidden, layer_rope, opt.batch_size, out=hidden)
         elapsed = time.perf_counter() - start
         losses = [r[1] for r in results.values() if r[1] is not None]
         bar.set_postfix_str(f"layer {i + 1}/{n_layers} · {opt.method} · {elapsed:.1f} s")
@@ -238,6 +247,8 @@ def _stream(
                     qw, loss = results[module]
                     b = None if bias is None else bias.to("cpu", dtypes[module + ".bias"], copy=True)
                     yield QuantizedLinear(reader.their_name(prefix + module), _to_cpu(qw), b, loss)
+            elif args.norm_offset and name.endswith("norm.weight"):  # Gemma's norm as stored (w, not 1 + w)
+                yield DenseTensor(reader.their_name(prefix + name), reader.get(prefix + name))
             else:
                 yield DenseTensor(reader.their_name(prefix + name), p.to("cpu", dtypes[name], copy=True))
     del block, state, hidden
@@ -249,8 +260,11 @@ def _stream(
         log.warning("tensors not part of the quantized model were dropped: %s", ", ".join(unused[:8]))
 
 
-def load_layer(reader: SafetensorsReader, state: dict[str, torch.Tensor], i: int) -> dict[str, torch.dtype]:
+def load_layer(
+    reader: SafetensorsReader, state: dict[str, torch.Tensor], i: int, norm_offset: float = 0.0
+) -> dict[str, torch.dtype]:
     """Copy decoder layer i's tensors into a block's state dict (as float32); returns their stored dtypes.
+    `norm_offset` is added to the norms' weights (Gemma's (1 + w), as the torch backend loads them).
 
     Raises:
         ModelFileError: a tensor is missing or its shape differs from what config.json implies.
@@ -262,7 +276,7 @@ def load_layer(reader: SafetensorsReader, state: dict[str, torch.Tensor], i: int
             raise ModelFileError(
                 f"model.layers.{i}.{name}: shape {list(src.shape)}, config implies {list(dst.shape)}"
             )
-        dst.copy_(src)
+        dst.copy_(src.float() + norm_offset if norm_offset and name.endswith("norm.weight") else src)
         dtypes[name] = src.dtype
     return dtypes
 

@@ -145,10 +145,10 @@ def check_model(args: ModelArgs, method: str) -> None:
             f"{method} does not handle a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) "
             "yet; use --quant gptq or rtn for this model"
         )
-    if args.sandwich_norms:
+    if args.sandwich_norms and method in ("awq", "awq-gptq"):
         raise ConfigError(
-            f"quantizing {args.arch} (Gemma's windowed layers and norms around each block) is not supported yet; "
-            "serve it with --quant int4 at load"
+            f"{method} does not handle {args.arch} yet (Gemma's norms after attention and the MLP are not the "
+            "inputs AWQ scales); use --quant gptq or rtn for this model"
         )
 
 
