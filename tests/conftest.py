@@ -125,6 +125,27 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def ask_openai(srv: ServerProcess) -> tuple:
+    """A greedy 8-token completion and a 4-token chat answer from the server's model, through the official client
+    (a random model's text is not compared; its token counts and that it answered are). Stops the server."""
+    import openai
+
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="-")
+        model = client.models.list().data[0].id
+        r = client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+        )
+    finally:
+        srv.stop()
+    assert r.choices[0].text and r.usage.completion_tokens == 8
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+    return r, chat
+
+
 def start_server(tmp: Path, *args: str, wait_ready: bool = True, env: dict | None = None) -> ServerProcess:
     """Run `quantserve run ...` as its own process and wait until /ready answers 200."""
     port = free_port()

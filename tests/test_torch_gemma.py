@@ -241,24 +241,12 @@ def test_quantserve_run_serves_a_gptq_gemma3_through_the_openai_client(gemma_dir
     a Gemma), and the official client gets a completion and a chat answer. (Greedy tokens are compared above.)"""
     if not gemma_dir.name.startswith("gemma3"):
         pytest.skip("one family is enough for the server round trip")
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from tests.conftest import start_server
+    from tests.conftest import ask_openai, start_server
 
     tokens = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
     quantize_checkpoint(gemma_dir, tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False)
     srv = start_server(tmp_path, str(tmp_path / "q"))
-    try:
-        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="-")
-        model = client.models.list().data[0].id
-        r = client.completions.create(
-            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
-        )
-        chat = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
-        )
-    finally:
-        srv.stop()
+    ask_openai(srv)
     assert "llama.cpp cannot serve it; the torch backend does" in srv.log()
-    assert r.choices[0].text and r.usage.completion_tokens == 8
-    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1

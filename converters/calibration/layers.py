@@ -244,14 +244,29 @@ def fold_awq_scales(
     outputs are o's inputs one to one, i.e. no GQA, as AutoAWQ); post_attention_layernorm / s_mlp with
     gate/up · s_mlp; up_proj rows / s_down with down_proj · s_down.
     """
-    attn, mlp = block.self_attn, block.mlp
-    folds = [
-        (block.input_layernorm, None, [attn.q_proj, attn.k_proj, attn.v_proj], s_qkv),
-        (block.post_attention_layernorm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
-        (mlp.up_proj, None, [mlp.down_proj], s_down),
-    ]
+    mlp = block.mlp
+    fold_scales(
+        [
+            *attention_folds(block, s_qkv, s_o),
+            (block.post_attention_layernorm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
+            (mlp.up_proj, None, [mlp.down_proj], s_down),
+        ]
+    )
+
+
+Fold = tuple[nn.Module, torch.Tensor | None, list[nn.Module], torch.Tensor]  # (prev op, its bias, linears, s)
+
+
+def attention_folds(block: TransformerBlock, s_qkv: torch.Tensor, s_o: torch.Tensor | None) -> list[Fold]:
+    attn = block.self_attn
+    folds: list[Fold] = [(block.input_layernorm, None, [attn.q_proj, attn.k_proj, attn.v_proj], s_qkv)]
     if s_o is not None:
-        folds.insert(1, (attn.v_proj, attn.v_proj.bias, [attn.o_proj], s_o))
+        folds.append((attn.v_proj, attn.v_proj.bias, [attn.o_proj], s_o))
+    return folds
+
+
+def fold_scales(folds: list[Fold]) -> None:
+    """Divide each prev op (and bias) by its s and multiply its linears' input columns by it, in place."""
     for prev, bias, linears, s in folds:
         new_prev, new_ws, new_bias = apply_scale(prev.weight, [m.weight for m in linears], s, bias)
         prev.weight.copy_(new_prev)
@@ -261,36 +276,55 @@ def fold_awq_scales(
             m.weight.copy_(w)
 
 
-def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
-    """AWQ's scale search for the block's four input groups, folded into the block in place (its function is
-    unchanged until the weights are rounded). Returns, per linear, (its captured input, the scale that
-    input is now divided by, or None), which the clipping search needs."""
-    if n_experts(block):
-        return awq_scale_moe_block(block, hidden, rope, opt)
-    attn, mlp = block.self_attn, block.mlp
-    feats: dict[str, list[torch.Tensor]] = {}
-    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
-    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
-    x_qkv, x_o, x_mlp, x_down = (torch.cat(feats.pop(n)) for n in hooked)
+def linear_fn(x: torch.Tensor, ws) -> torch.Tensor:
+    return F.linear(x, ws[0])
+
+
+def scale_searcher(opt: QuantizeOptions) -> Callable[..., torch.Tensor]:
+    return partial(
+        search_scale, bits=opt.bits, group_size=opt.group_size, sym=opt.sym, duo_scaling=opt.duo_scaling,
+        scale_dtype=opt.scale_dtype,
+    )  # fmt: skip
+
+
+def attention_scales(
+    block: TransformerBlock, x_qkv, x_o, rope, search
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AWQ's scales for q|k|v (against the attention's output) and for o (against its own; only when v's outputs
+    are o's inputs one to one, i.e. no GQA, as AutoAWQ)."""
+    attn = block.self_attn
 
     def attn_fn(x: torch.Tensor, ws) -> torch.Tensor:
         names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
         return functional_call(attn, dict(zip(names, ws, strict=True)), (x, rope))
 
+    s_qkv = search(x_qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn_fn)
+    if attn.v_proj.out_features != attn.o_proj.in_features:
+        return s_qkv, None
+    return s_qkv, search(x_o, [attn.o_proj.weight], linear_fn)
+
+
+def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
+    """AWQ's scale search for the block's four input groups, folded into the block in place (its function is
+    unchanged until the weights are rounded). Returns, per linear, (its captured input, the scale that
+    input is now divided by, or None), which the clipping search needs."""
+    if n_experts(block):
+        from quantserve.converters.calibration.awq_moe import (
+            awq_scale_moe_block,  # (it builds on this module)
+        )
+
+        return awq_scale_moe_block(block, hidden, rope, opt)
+    mlp = block.mlp
+    feats: dict[str, list[torch.Tensor]] = {}
+    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
+    x_qkv, x_o, x_mlp, x_down = (torch.cat(feats.pop(n)) for n in hooked)
+
     def mlp_fn(x: torch.Tensor, ws) -> torch.Tensor:
         return functional_call(mlp, {"gate_proj.weight": ws[0], "up_proj.weight": ws[1]}, (x,))
 
-    def linear_fn(x: torch.Tensor, ws) -> torch.Tensor:
-        return F.linear(x, ws[0])
-
-    search = partial(
-        search_scale, bits=opt.bits, group_size=opt.group_size, sym=opt.sym, duo_scaling=opt.duo_scaling,
-        scale_dtype=opt.scale_dtype,
-    )  # fmt: skip
-    s_qkv = search(x_qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn_fn)
-    s_o = None
-    if attn.v_proj.out_features == attn.o_proj.in_features:
-        s_o = search(x_o, [attn.o_proj.weight], linear_fn)
+    search = scale_searcher(opt)
+    s_qkv, s_o = attention_scales(block, x_qkv, x_o, rope, search)
     s_mlp = search(x_mlp, [mlp.gate_proj.weight, mlp.up_proj.weight], mlp_fn)
     s_down = search(x_down, [mlp.down_proj.weight], linear_fn)
     fold_awq_scales(block, s_qkv, s_o, s_mlp, s_down)
@@ -300,65 +334,6 @@ def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions)
         "mlp.up_proj": (x_mlp, s_mlp),
         "mlp.down_proj": (x_down, s_down),
     }
-
-
-def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
-    """AWQ's scales for a mixture of experts, as AutoAWQ's Qwen3-MoE and Mixtral recipes group them: q|k|v and
-    o as in a dense block; one scale shared by every expert's gate and up (they all read the post-attention
-    norm, which it is folded into), searched against the whole sparse block's output; and each expert's down
-    scaled against its own up. The router reads that norm too: its columns are multiplied by the shared scale
-    (it stays dense), so it routes exactly as before. Every expert sees every calibration token (calibrate_all)."""
-    attn, mlp = block.self_attn, block.mlp
-    experts = list(mlp.experts)
-    downs = tuple(f"mlp.experts.{e}.down_proj" for e in range(len(experts)))
-    feats: dict[str, list[torch.Tensor]] = {}
-    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.experts.0.gate_proj", *downs)
-    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
-    x_qkv, x_o, x_mlp = (torch.cat(feats.pop(n)) for n in hooked[:3])
-    x_downs = [torch.cat(feats.pop(n)) for n in downs]
-
-    def attn_fn(x: torch.Tensor, ws) -> torch.Tensor:
-        names = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
-        return functional_call(attn, dict(zip(names, ws, strict=True)), (x, rope))
-
-    gate_up = [f"experts.{e}.{p}.weight" for e in range(len(experts)) for p in ("gate_proj", "up_proj")]
-
-    def moe_fn(x: torch.Tensor, ws) -> torch.Tensor:
-        return functional_call(mlp, dict(zip(gate_up, ws, strict=True)), (x,))
-
-    def linear_fn(x: torch.Tensor, ws) -> torch.Tensor:
-        return F.linear(x, ws[0])
-
-    search = partial(
-        search_scale, bits=opt.bits, group_size=opt.group_size, sym=opt.sym, duo_scaling=opt.duo_scaling,
-        scale_dtype=opt.scale_dtype,
-    )  # fmt: skip
-    s_qkv = search(x_qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn_fn)
-    s_o = (
-        search(x_o, [attn.o_proj.weight], linear_fn)
-        if attn.v_proj.out_features == attn.o_proj.in_features
-        else None
-    )
-    s_mlp = search(x_mlp, [mlp.get_parameter(n) for n in gate_up], moe_fn)
-    s_downs = [search(x, [ex.down_proj.weight], linear_fn) for x, ex in zip(x_downs, experts, strict=True)]
-    folds = [(block.input_layernorm, None, [attn.q_proj, attn.k_proj, attn.v_proj], s_qkv)]
-    if s_o is not None:
-        folds.append((attn.v_proj, attn.v_proj.bias, [attn.o_proj], s_o))
-    up_and_gate = [m for ex in experts for m in (ex.gate_proj, ex.up_proj)]
-    folds.append((block.post_attention_layernorm, None, [*up_and_gate, mlp.gate], s_mlp))
-    folds += [(ex.up_proj, None, [ex.down_proj], s) for ex, s in zip(experts, s_downs, strict=True)]
-    for prev, bias, linears, s in folds:
-        new_prev, new_ws, new_bias = apply_scale(prev.weight, [m.weight for m in linears], s, bias)
-        prev.weight.copy_(new_prev)
-        if bias is not None:
-            bias.copy_(new_bias)
-        for m, w in zip(linears, new_ws, strict=True):
-            m.weight.copy_(w)
-    inputs = {n: (x_qkv, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_o, s_o)}
-    for e, (x, s) in enumerate(zip(x_downs, s_downs, strict=True)):
-        inputs |= {f"mlp.experts.{e}.gate_proj": (x_mlp, s_mlp), f"mlp.experts.{e}.up_proj": (x_mlp, s_mlp)}
-        inputs[f"mlp.experts.{e}.down_proj"] = (x, s)
-    return inputs
 
 
 def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> LayerResult:

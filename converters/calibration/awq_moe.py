@@ -1,0 +1,57 @@
+"""AWQ's scales for a mixture-of-experts block (layers.py's awq_scale_block hands such a block over here)."""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from quantserve.backends.torch.model import TransformerBlock
+from quantserve.converters.calibration.layers import (
+    LINEARS,
+    QuantizeOptions,
+    attention_folds,
+    attention_scales,
+    capture,
+    fold_scales,
+    linear_fn,
+    scale_searcher,
+)
+
+
+def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
+    """AWQ's scales for a mixture of experts, as AutoAWQ's Qwen3-MoE and Mixtral recipes group them: q|k|v and
+    o as in a dense block; one scale shared by every expert's gate and up (they all read the post-attention
+    norm, which it is folded into), searched against the whole sparse block's output; and each expert's down
+    scaled against its own up. The router reads that norm too: its columns are multiplied by the shared scale
+    (it stays dense), so it routes exactly as before. Every expert sees every calibration token (calibrate_all)."""
+    mlp = block.mlp
+    experts = list(mlp.experts)
+    downs = tuple(f"mlp.experts.{e}.down_proj" for e in range(len(experts)))
+    feats: dict[str, list[torch.Tensor]] = {}
+    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.experts.0.gate_proj", *downs)
+    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
+    x_qkv, x_o, x_mlp = (torch.cat(feats.pop(n)) for n in hooked[:3])
+    x_downs = [torch.cat(feats.pop(n)) for n in downs]
+
+    gate_up = [f"experts.{e}.{p}.weight" for e in range(len(experts)) for p in ("gate_proj", "up_proj")]
+
+    def moe_fn(x: torch.Tensor, ws) -> torch.Tensor:
+        return functional_call(mlp, dict(zip(gate_up, ws, strict=True)), (x,))
+
+    search = scale_searcher(opt)
+    s_qkv, s_o = attention_scales(block, x_qkv, x_o, rope, search)
+    s_mlp = search(x_mlp, [mlp.get_parameter(n) for n in gate_up], moe_fn)
+    s_downs = [search(x, [ex.down_proj.weight], linear_fn) for x, ex in zip(x_downs, experts, strict=True)]
+    up_and_gate = [m for ex in experts for m in (ex.gate_proj, ex.up_proj)]
+    fold_scales(
+        [
+            *attention_folds(block, s_qkv, s_o),
+            (block.post_attention_layernorm, None, [*up_and_gate, mlp.gate], s_mlp),
+            *((ex.up_proj, None, [ex.down_proj], s) for ex, s in zip(experts, s_downs, strict=True)),
+        ]
+    )
+    inputs = {n: (x_qkv, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_o, s_o)}
+    for e, (x, s) in enumerate(zip(x_downs, s_downs, strict=True)):
+        inputs |= {f"mlp.experts.{e}.gate_proj": (x_mlp, s_mlp), f"mlp.experts.{e}.up_proj": (x_mlp, s_mlp)}
+        inputs[f"mlp.experts.{e}.down_proj"] = (x, s)
+    return inputs
