@@ -72,3 +72,22 @@ def test_batched_greedy_with_prefix_caching_equals_transformers_alone(family, ch
     assert _together(engine, PROMPTS, 10) == want  # chunks of 8 tokens mix prefill with decode
     assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 32  # its first two blocks cached
     assert engine.kv.num_used == 0
+
+
+def test_a_checkpoint_with_one_tensor_under_two_names_is_refused(tmp_path):
+    """Mixtral's `block_sparse_moe.experts.0.w1` is quantserve's `mlp.experts.0.gate_proj`: a checkpoint holding
+    both names is refused by the quantizers' reader, not read with one silently dropped."""
+    from safetensors.torch import save_file
+
+    from quantserve.backends.torch.args import ModelArgs
+    from quantserve.converters.calibration.driver import SafetensorsReader
+    from quantserve.errors import ModelFileError
+
+    config = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                  architectures=["MixtralForCausalLM"], num_local_experts=2, num_experts_per_tok=1)  # fmt: skip
+    args = ModelArgs.from_hf_config(config)
+    w = torch.zeros(4, 4)
+    save_file({"model.layers.0.block_sparse_moe.experts.0.w1.weight": w,
+               "model.layers.0.mlp.experts.0.gate_proj.weight": w.clone()}, tmp_path / "m.safetensors")  # fmt: skip
+    with pytest.raises(ModelFileError, match="which are one tensor"):
+        SafetensorsReader([tmp_path / "m.safetensors"], args.our_name)

@@ -175,6 +175,13 @@ def test_gemma3s_multimodal_checkpoint_serves_its_language_model(smollm2_gguf, t
     ours = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
     assert ours.args.arch == "gemma3_text" and ours.args.rope_local_theta == 10000.0
     assert_logits_match(ours, hf, LONG)
+    # the quantizers would drop its vision side: refused by name, before any work
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="language model of a multimodal checkpoint"):
+        quantize_checkpoint(tmp_path, tmp_path / "q", "gptq", calib_tokens=torch.ones(2, 8, dtype=torch.long))
+    assert not (tmp_path / "q").exists()
 
 
 def test_a_sparse_gemma3_config_reads_with_gemma3s_defaults():

@@ -337,11 +337,13 @@ def test_phi3s_fused_projections_quantize_as_the_linears_they_are(method, tmp_pa
         quantize_checkpoint(tmp_path / "src", tmp_path / "awq", "awq", group_size=32, calib_tokens=tokens,
                             progress=False)  # fmt: skip
     assert not (tmp_path / "awq").exists()
-    if method == "rtn":  # --bits-budget's sensitivity pass scores the fused linears too
-        quantize_checkpoint(tmp_path / "src", tmp_path / "mixed", method, group_size=32, bits_budget=5.0,
+    if method == "rtn":  # --bits-budget's sensitivity pass scores the fused linears too, and raises some
+        quantize_checkpoint(tmp_path / "src", tmp_path / "mixed", method, group_size=32, bits_budget=7.0,
                             calib_tokens=tokens, progress=False)  # fmt: skip
-        assert isinstance(load_model(detect(tmp_path / "mixed"), dtype=torch.float32,
-                                     device=torch.device("cpu")).model.layers[1].mlp.gate_up_proj, QuantLinear)  # fmt: skip
+        dynamic = json.loads((tmp_path / "mixed" / "config.json").read_text())["quantization_config"][
+            "dynamic"
+        ]
+        assert any("qkv_proj" in rule or "gate_up_proj" in rule for rule in dynamic), dynamic
 
 
 def test_longrope_needs_its_original_context():

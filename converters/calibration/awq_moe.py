@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.func import functional_call
 
 from quantserve.backends.torch.model import TransformerBlock
@@ -23,14 +24,26 @@ def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
     o as in a dense block; one scale shared by every expert's gate and up (they all read the post-attention
     norm, which it is folded into), searched against the whole sparse block's output; and each expert's down
     scaled against its own up. The router reads that norm too: its columns are multiplied by the shared scale
-    (it stays dense), so it routes exactly as before. Every expert sees every calibration token (calibrate_all)."""
+    (it stays dense), so it routes exactly as before. The gate|up scale is searched on every calibration token
+    (each expert sees them all while calibrating, calibrate_all), a down's on the tokens routed to its expert
+    only, as AutoAWQ keeps them (which also bounds what is held to the routed tokens)."""
     mlp = block.mlp
     experts = list(mlp.experts)
     downs = tuple(f"mlp.experts.{e}.down_proj" for e in range(len(experts)))
     feats: dict[str, list[torch.Tensor]] = {}
-    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.experts.0.gate_proj", *downs)
-    capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
-    x_qkv, x_o, x_mlp = (torch.cat(feats.pop(n)) for n in hooked[:3])
+    routed: list[torch.Tensor] = []  # the current batch's chosen experts [N, k]: the router runs first
+
+    def sink(name: str, x: torch.Tensor) -> None:
+        if name == "mlp.gate":  # (inside the router's own hook: its logits recomputed, not the module called)
+            routed[:] = [mlp.choose(F.linear(x.reshape(-1, x.shape[-1]), mlp.gate.weight))[0]]
+            name = "x_mlp"
+        elif name in downs:
+            x = x.reshape(-1, x.shape[-1])[(routed[0] == downs.index(name)).any(-1)]
+        feats.setdefault(name, []).append(x)
+
+    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate", *downs)
+    capture(block, hidden, rope, hooked, sink, opt.batch_size)
+    x_qkv, x_o, x_mlp = (torch.cat(feats.pop(n)) for n in ("self_attn.q_proj", "self_attn.o_proj", "x_mlp"))
     x_downs = [torch.cat(feats.pop(n)) for n in downs]
 
     gate_up = [f"experts.{e}.{p}.weight" for e in range(len(experts)) for p in ("gate_proj", "up_proj")]
@@ -41,7 +54,12 @@ def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
     search = scale_searcher(opt)
     s_qkv, s_o = attention_scales(block, x_qkv, x_o, rope, search)
     s_mlp = search(x_mlp, [mlp.get_parameter(n) for n in gate_up], moe_fn)
-    s_downs = [search(x, [ex.down_proj.weight], linear_fn) for x, ex in zip(x_downs, experts, strict=True)]
+    s_downs = [
+        search(x, [ex.down_proj.weight], linear_fn)
+        if x.shape[0]
+        else torch.ones(x.shape[-1], device=x.device)
+        for x, ex in zip(x_downs, experts, strict=True)
+    ]  # an expert no calibration token reaches keeps its weights as they are
     up_and_gate = [m for ex in experts for m in (ex.gate_proj, ex.up_proj)]
     fold_scales(
         [

@@ -61,6 +61,14 @@ class SafetensorsReader:
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 - not a dict
         self._theirs = {(rename(n) if rename else n): n for n in where}  # ours -> the checkpoint's
+        if len(self._theirs) < len(where):
+            seen: dict[str, str] = {}
+            for n in where:
+                if (ours := rename(n) if rename else n) in seen:
+                    raise ModelFileError(
+                        f"the checkpoint has both '{seen[ours]}' and '{n}', which are one tensor"
+                    )
+                seen[ours] = n
         self._where = {ours: where[theirs] for ours, theirs in self._theirs.items()}
 
     def names(self) -> set[str]:
@@ -198,7 +206,7 @@ def _stream(
 ) -> Iterator[QuantizedLinear | DenseTensor]:
     used = {EMBED, FINAL_NORM, LM_HEAD}
     embed = reader.get(EMBED)
-    yield DenseTensor(EMBED, embed)
+    yield DenseTensor(reader.their_name(EMBED), embed)
     hidden = rope = local = None
     if tokens is not None:
         hidden = torch.nn.functional.embedding(tokens.to(device), embed.to(device, torch.float32))
@@ -252,9 +260,9 @@ def _stream(
             else:
                 yield DenseTensor(reader.their_name(prefix + name), p.to("cpu", dtypes[name], copy=True))
     del block, state, hidden
-    yield DenseTensor(FINAL_NORM, reader.get(FINAL_NORM))
+    yield DenseTensor(reader.their_name(FINAL_NORM), reader.get(FINAL_NORM))
     if LM_HEAD in reader and not args.tie_word_embeddings:
-        yield DenseTensor(LM_HEAD, reader.get(LM_HEAD))
+        yield DenseTensor(reader.their_name(LM_HEAD), reader.get(LM_HEAD))
     unused = sorted(n for n in reader.names() - used if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         log.warning("tensors not part of the quantized model were dropped: %s", ", ".join(unused[:8]))

@@ -140,6 +140,13 @@ class QuantizeOptions:
 
 def check_model(args: ModelArgs, method: str) -> None:
     """Raises ConfigError for a model these quantizers cannot do (yet), naming why and what to do instead."""
+    if any(
+        theirs.startswith(("model.language_model.", "language_model.")) for theirs, _ in args.checkpoint_names
+    ):
+        raise ConfigError(
+            "quantizing the language model of a multimodal checkpoint (Gemma 3's) is not supported yet: the "
+            "vision side would have to be carried over as it is; serve it with --quant int4 at load"
+        )
     if args.fused and method in ("awq", "awq-gptq"):
         raise ConfigError(
             f"{method} does not handle a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) "
@@ -343,7 +350,9 @@ def quantize_block_awq(block: TransformerBlock, hidden, rope, opt: QuantizeOptio
     for name in block_linears(block):
         w = block.get_submodule(name).weight
         bits, group = opt.bits_for(name)
-        if name not in AWQ_NO_CLIP:
+        if (
+            name not in AWQ_NO_CLIP and inputs[name][0].numel()
+        ):  # (an expert no token reached: nothing to fit)
             x, s = inputs[name]
             x = x.reshape(-1, x.shape[-1])
             x = x[:: max(1, x.shape[0] // 512)]  # search_clip's token subsample, taken before dividing

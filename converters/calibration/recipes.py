@@ -98,11 +98,19 @@ def sensitivity(
     if spec.format != "safetensors" or not spec.config:
         raise ConfigError(f"{src} is not a dense safetensors checkpoint; the sensitivity pass reads those")
     args = ModelArgs.from_hf_config(spec.config)
+    if args.sandwich_norms or len(set(args.layer_windows)) > 1 or args.rope_local_theta:
+        raise ConfigError(
+            f"the sensitivity pass runs every layer as layer 0's Llama-style block, which {args.arch}'s are not"
+        )
     reader = SafetensorsReader(spec.files, args.our_name)
     n_layers = args.num_hidden_layers
     blocks = []
     for i in range(n_layers):
         block = empty_block(args, "cpu")
+        if args.num_experts:
+            block.mlp.calibrate_all = (
+                False  # only the routed experts: nothing here needs inputs of the others
+            )
         load_layer(reader, block.state_dict(), i)
         blocks.append(block)
     embed = reader.get(EMBED).float()

@@ -48,11 +48,16 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [N, k] and their weights [N, k] (in x's dtype), for x [N, hidden]."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
+        chosen, weights = self.choose(self.gate(x))
+        return chosen, weights.to(x.dtype)
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k experts [N, k] and their fp32 weights for the router's logits [N, n_experts]."""
+        probs = F.softmax(logits.float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return chosen, weights.to(x.dtype)
+        return chosen, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
