@@ -135,3 +135,47 @@ def image_processor_settings(directory: Path) -> tuple[dict[str, Any], str] | No
     if flat.is_file():
         return read_json_object(flat), str(flat)
     return None
+
+
+# Families whose layers attend within `sliding_window` tokens, as transformers builds their masks: the architecture
+# -> (the window when config.json leaves the key out, how often a layer is global instead: 0 never). Gemma's
+# configs since transformers 4.53 list each layer's type; older ones have a pattern (Gemma 2 alternates, Gemma 3
+# has five windowed layers to one global).
+_WINDOWED = {
+    "MistralForCausalLM": (4096, 0), "MixtralForCausalLM": (0, 0), "Phi3ForCausalLM": (0, 0),
+    "Gemma2ForCausalLM": (4096, 2), "Gemma3ForCausalLM": (4096, 6),
+}  # fmt: skip
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints whose language model the torch backend runs alone (text in, text out): the wrapper's
+# architecture -> its language model's (its config.json's text_config)
+WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def layer_windows(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """Each decoder layer's window (0: it attends to every position), or () for a model without windows.
+
+    Raises:
+        ValueError: `layer_types` that do not name sliding_attention or full_attention for each layer.
+    """
+    archs = config.get("architectures") or []
+    first = archs[0] if isinstance(archs, list) and archs else None
+    if first in WRAPPERS:
+        config, first = config.get("text_config") or {}, WRAPPERS[first]
+    if first not in _WINDOWED:
+        return ()
+    default, every = _WINDOWED[first]
+    n = int(config.get("num_hidden_layers") or 26)
+    if first not in _GEMMA:
+        window = int(config.get("sliding_window", default) or 0)
+        return (window,) * n if window else ()
+    window = int(config.get("sliding_window") or default)  # Gemma's configs mean the default by null too
+    types = config.get("layer_types")
+    if types is None:
+        every = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or every
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(
+            f"config.json's layer_types {types!r} does not name sliding_attention or full_attention for each of "
+            f"its {n} layers"
+        )
+    return tuple(window if t == "sliding_attention" else 0 for t in types)

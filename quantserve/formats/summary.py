@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantserve.errors import UnsupportedFormatError
 from quantserve.formats.detect import detect
 from quantserve.formats.gguf import read_gguf_info
+from quantserve.formats.hf_config import layer_windows
 from quantserve.formats.safetensors_header import DTYPE_BITS, read_safetensors_header
 from quantserve.formats.spec import ModelSpec
 
@@ -191,22 +191,20 @@ def summarize(path: str | os.PathLike[str] | ModelSpec) -> ModelSummary:
 
 
 def _hf_windows(config: dict[str, Any]) -> str | None:
-    """'3 of 4 layers within 4096 tokens, 1 global', 'every layer within 2047 tokens': the windows the torch
-    backend's model reads from config.json (ModelArgs: Gemma's layer types, old configs' patterns, the families
-    whose every layer is windowed); None for a model without, or one that model does not read."""
-    from quantserve.backends.torch.args import ModelArgs  # reads config.json only: no torch import
-
+    """'3 of 4 layers within 4096 tokens, 1 global', 'every layer within 2047 tokens' (hf_config.layer_windows,
+    which the torch backend's model reads too); None for a model without windows."""
     try:
-        windows = ModelArgs.from_hf_config(config).layer_windows
-    except (UnsupportedFormatError, KeyError, TypeError, ValueError):
+        windows = layer_windows(config)
+    except ValueError:
         return None
     sizes = sorted({w for w in windows if w})
     if not sizes:
         return None
     local = sum(1 for w in windows if w)
+    within = "/".join(map(str, sizes))
     if local == len(windows):
-        return f"every layer within {'/'.join(map(str, sizes))} tokens"
-    return f"{local} of {len(windows)} layers within {'/'.join(map(str, sizes))} tokens, {len(windows) - local} global"
+        return f"every layer within {within} tokens"
+    return f"{local} of {len(windows)} layers within {within} tokens, {len(windows) - local} global"
 
 
 def _gguf_windows(md: dict[str, Any], arch: str | None) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
+from quantserve.formats.hf_config import WRAPPERS, layer_windows
 from quantserve.gguf.archs import torch_architectures
 
 
@@ -108,8 +109,10 @@ class ModelArgs:
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
         moe = _moe_args(cfg, renormalize=True if arch == "mixtral" else None) if arch in MOE else {}
-        # MistralConfig defaults sliding_window to 4096 (configs since v0.2 spell out null)
-        window = int(cfg.get("sliding_window", 4096 if arch == "mistral" else 0) or 0)
+        try:  # Mistral, Mixtral and Phi-3 window every layer (when set); Gemma's layers each have their own
+            windows = layer_windows(cfg)
+        except ValueError as exc:
+            raise UnsupportedFormatError(str(exc)) from exc
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -131,12 +134,8 @@ class ModelArgs:
             **moe,
             fused=arch == "phi3",
             checkpoint_names=MIXTRAL_NAMES if arch == "mixtral" else (),
-            # Mistral, Mixtral and Phi-3 attend within sliding_window tokens in every layer (when it is set);
-            # Gemma's layers each have their own
-            **(
-                {"layer_windows": (window,) * cfg["num_hidden_layers"] if window and arch in WINDOWED else ()}
-                | gemma
-            ),
+            layer_windows=windows,
+            **gemma,
         )
 
 
@@ -158,26 +157,13 @@ def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[st
     """Gemma 2 / 3's own fields (transformers' Gemma2Config / Gemma3TextConfig names and defaults).
 
     Raises:
-        UnsupportedFormatError: an activation other than tanh-approximated GELU, or layer types it does not name.
+        UnsupportedFormatError: an activation other than tanh-approximated GELU.
     """
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise UnsupportedFormatError(
             f"Gemma with activation {act!r}: the torch backend runs gelu_pytorch_tanh"
         )
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if (
-        types is None
-    ):  # configs before transformers 4.53: gemma2 alternates, gemma3 has a pattern (5 local, 1 global)
-        every = cfg.get("sliding_window_pattern") or (6 if arch == "gemma3_text" else 2)
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
-        raise UnsupportedFormatError(
-            f"config.json's layer_types {types!r} does not name sliding_attention or full_attention for each of "
-            f"its {n} layers"
-        )
-    window = int(cfg.get("sliding_window") or 4096)
     local = rope.get("sliding_attention", {}).get("rope_theta") or cfg.get("rope_local_base_freq")
     return {
         "norm_offset": 1.0,
@@ -187,14 +173,10 @@ def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[st
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
         "attn_softcap": float(cfg.get("attn_logit_softcapping") or 0.0),
         "final_softcap": float(cfg.get("final_logit_softcapping") or 0.0),
-        "layer_windows": tuple(window if t == "sliding_attention" else 0 for t in types),
         "rope_local_theta": float(local or 10000.0) if arch == "gemma3_text" else 0.0,
     }
 
 
-# Multimodal checkpoints whose language model the torch backend runs alone (text in, text out): the wrapper's
-# architecture -> its language model's
-WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # where they keep it: transformers 5's own layout, and the hub's (what save_pretrained writes back)
 WRAPPED_NAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.lm_head.", "lm_head."))  # fmt: skip
@@ -211,7 +193,6 @@ def _wrapped_text(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 MOE = ("qwen3_moe", "mixtral")
-WINDOWED = ("mistral", "mixtral", "phi3")
 # Mixtral's expert MLPs are w1 (gate), w2 (down) and w3 (up) under `block_sparse_moe`
 MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."),
                  (".w3.", ".up_proj."))  # fmt: skip
