@@ -54,7 +54,8 @@ def test_unsupported_architecture_lists_supported(copy, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         UnsupportedFormatError,
-        match="gpt_bigcode.*supported model types: llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe",
+        match="gpt_bigcode.*supported model types: gemma2, gemma3, gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen3, "
+        "qwen3_moe",
     ):
         hf_to_gguf(copy, tmp_path / "out.gguf", "f16", progress=False)
     assert not (tmp_path / "out.gguf").exists()

@@ -138,6 +138,11 @@ def hf_config(
         if (n_ff := md.get(f"{arch}.expert_feed_forward_length")) is not None:
             config["moe_intermediate_size"] = n_ff
     config.update(spec.config_extra(config, names))
+    for key, value in (spec.gguf_config(md, config) if spec.gguf_config else {}).items():
+        if value is None:
+            config.pop(key, None)  # the HF class's default is llama.cpp's too
+        else:
+            config[key] = value
     return config
 
 

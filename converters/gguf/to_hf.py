@@ -76,8 +76,10 @@ def _tensor_chunks(
     rows = _row_order(t, spec, reader.info)
     if expert is not None:  # one expert's rows of the stacked tensor
         rows = np.arange(expert * t.shape[1], (expert + 1) * t.shape[1])
+    # Gemma's (1 + w) norms are stored with the 1 added (ArchSpec.norm_shift)
+    shift = np.float32(spec.norm_shift if t.name.endswith("norm.weight") else 0.0)
     for chunk in reader.chunks(t, rows):
-        yield _encode(chunk, dtype)
+        yield _encode(chunk - shift if shift else chunk, dtype)
 
 
 def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True, force: bool = False) -> Path:

@@ -12,7 +12,7 @@ from quantserve.core.plan import ModelPlan
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import BackendUnavailableError
 from quantserve.formats import ModelSpec
-from quantserve.gguf.archs import TORCH_ONLY
+from quantserve.gguf.params import conversion_refusal
 
 log = logging.getLogger("quantserve")
 
@@ -41,11 +41,8 @@ def choose_backend(spec: ModelSpec, requested: str, quant: str | None = None) ->
     arch = next(iter((spec.config or {}).get("architectures") or []), None)
     if not runs(arch):
         return "llamacpp", f"the torch backend does not implement {arch or 'this architecture'}"
-    if arch in TORCH_ONLY:
-        return (
-            "torch",
-            f"{arch} is not converted to GGUF yet, so llama.cpp cannot serve it; the torch backend does",
-        )
+    if (why := conversion_refusal(spec.config or {})) is not None:
+        return "torch", f"llama.cpp cannot be given this checkpoint ({why}); the torch backend runs it"
     if quant and quant.lower() in LOAD_QUANTS:
         return "torch", f"--quant {quant} is applied at load by the torch backend"
     if quant:

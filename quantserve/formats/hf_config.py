@@ -137,6 +137,19 @@ def image_processor_settings(directory: Path) -> tuple[dict[str, Any], str] | No
     return None
 
 
+# transformers' Gemma2Config / Gemma3TextConfig defaults for the keys a released config may leave out (Gemma 3's
+# multimodal configs give little more than the sizes that differ); rope per layer type is read where it is used
+_GEMMA_COMMON = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+                     sliding_window=4096, query_pre_attn_scalar=256, tie_word_embeddings=True)  # fmt: skip
+GEMMA_DEFAULTS = {
+    "gemma2": {**_GEMMA_COMMON, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_GEMMA_COMMON, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
+}  # fmt: skip
+
+
 # Families whose layers attend within `sliding_window` tokens, as transformers builds their masks: the architecture
 # -> (the window when config.json leaves the key out, how often a layer is global instead: 0 never). Gemma's
 # configs since transformers 4.53 list each layer's type; older ones have a pattern (Gemma 2 alternates, Gemma 3

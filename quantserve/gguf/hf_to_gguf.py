@@ -78,6 +78,8 @@ def hf_to_gguf(
     check_destination(dst, force)
     arch = arch_for_hf(spec_model.config)
     hp = normalize_hparams(spec_model.config)
+    if arch.check is not None:
+        arch.check(hp)
     vocab = vocab_from_hf(spec_model.directory, hp)
     source = SafetensorsSource(spec_model)
     native = target.direct is None or imatrix is not None

@@ -14,8 +14,8 @@ import gguf
 import numpy as np
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
-from quantserve.formats.hf_config import is_llava
-from quantserve.gguf.archs import ArchSpec
+from quantserve.formats.hf_config import GEMMA_DEFAULTS, is_llava
+from quantserve.gguf.archs import ArchSpec, arch_for_hf
 
 # transformers' LlamaConfig defaults. llava-hf's config.json leaves out of text_config what equals them (LLaVA 1.5:
 # all but max_position_embeddings, rms_norm_eps and vocab_size); llama.cpp's converter sees them filled in, through
@@ -42,13 +42,31 @@ def normalize_hparams(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(hp.get("text_config"), dict):
         text = _llava_text_config(hp["text_config"]) if is_llava(config) else hp["text_config"]
         hp = {**hp, **text}
+    if hp.get("model_type") in GEMMA_DEFAULTS:  # what AutoConfig fills in for llama.cpp's converter
+        hp = {**GEMMA_DEFAULTS[hp["model_type"]], **hp}
     rope = dict(hp.get("rope_parameters") or hp.get("rope_scaling") or {})
-    if "rope_theta" not in rope and hp.get("rope_theta") is not None:
-        rope["rope_theta"] = hp["rope_theta"]
-    if "rope_type" not in rope and rope.get("type") is not None:
-        rope["rope_type"] = rope["type"]
+    if "full_attention" not in rope and "sliding_attention" not in rope:  # one rope for every layer type
+        if hp.get("rope_local_base_freq") is not None:  # Gemma 3's local base, before transformers 5
+            rope["sliding_attention"] = {"rope_theta": hp["rope_local_base_freq"]}
+        if "rope_theta" not in rope and hp.get("rope_theta") is not None:
+            rope["rope_theta"] = hp["rope_theta"]
+        if "rope_type" not in rope and rope.get("type") is not None:
+            rope["rope_type"] = rope["type"]
     hp["rope_parameters"] = rope
     return hp
+
+
+def conversion_refusal(config: Mapping[str, Any]) -> str | None:
+    """Why this HF config.json cannot become a GGUF that llama.cpp runs as the same model, or None if it can."""
+    try:
+        spec = arch_for_hf(config)
+        if spec.check is not None:
+            spec.check(normalize_hparams(config))
+    except UnsupportedFormatError as e:
+        return str(e)
+    except (KeyError, TypeError, ValueError) as e:  # a malformed config: the load names what is wrong
+        return f"config.json cannot be read for conversion ({e!r})"
+    return None
 
 
 def _find(hp: Mapping[str, Any], *keys: str) -> Any:
@@ -76,7 +94,7 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
     writer.add_head_count(hp["num_attention_heads"])
     if hp.get("num_key_value_heads") is not None:
         writer.add_head_count_kv(hp["num_key_value_heads"])
-    rope = hp["rope_parameters"]
+    rope = hp["rope_parameters"].get("full_attention", hp["rope_parameters"])  # Gemma 3's global layers
     rope_type, factor = rope.get("rope_type"), rope.get("factor")
     if rope_type == "linear" and factor is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -89,6 +107,8 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
         raise UnsupportedFormatError(f"rope type {rope_type!r} is not supported for conversion to GGUF")
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(rope["rope_theta"])
+    if (local_theta := hp["rope_parameters"].get("sliding_attention", {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(local_theta)
     if (eps := _find(hp, "rms_norm_eps", "norm_eps")) is not None:
         writer.add_layer_norm_rms_eps(eps)
     if (n_experts := _find(hp, "num_local_experts", "num_experts", "n_routed_experts")) is not None:

@@ -33,6 +33,7 @@ class SafetensorsSource:
     """All tensors of a dense checkpoint, in file order (shards in index order)."""
 
     def __init__(self, spec: ModelSpec):
+        self.directory = spec.directory
         self.tensors: dict[str, SourceTensor] = {}
         for path in spec.files:
             header = read_safetensors_header(path)

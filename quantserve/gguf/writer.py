@@ -43,14 +43,26 @@ class OutTensor:
         return n_bytes(self.qtype, self.ne)
 
 
-def _loader(source: SafetensorsSource, hf_name: str, heads: int | None) -> Callable[[], np.ndarray]:
+def _loader(
+    source: SafetensorsSource, hf_name: str, heads: int | None, shift: float, rows: int | None
+) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         x = source.read(hf_name)
+        if rows is not None:
+            x = x[:rows]
+        if shift:
+            x = _in_dtype(x + np.float32(shift), source.tensors[hf_name].dtype)
         # llama.cpp's LlamaModel.permute: rotate-half rows -> interleaved pairs
         # (docs/gguf.md, "Q/K permutation")
         return x if heads is None else x[qk_hf_rows_for_gguf(x.shape[0], heads)]
 
     return load
+
+
+def _in_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded as llama.cpp's converter rounds its arithmetic: in float16 for an F16 checkpoint,
+    in float32 for the others (it widens BF16 first)."""
+    return x.astype(np.float16).astype(np.float32) if dtype == "F16" else x
 
 
 def plan_tensors(
@@ -63,15 +75,16 @@ def plan_tensors(
     """
     n_head, n_kv = hp["num_attention_heads"], hp.get("num_key_value_heads") or hp["num_attention_heads"]
     text = {h: n for h in source.tensors if (n := language_model_name(h)) is not None}  # a LLaVA's LM only
-    tied = "output.weight" not in {spec.gguf_name(n) for n in text.values()}
+    tied = "output.weight" not in {spec.gguf_name(n) for n in text.values() if n not in spec.skip_tensors}
     out: list[OutTensor] = []
     if (freqs := llama3_rope_freqs(hp)) is not None:
         out.append(OutTensor("rope_freqs.weight", freqs.shape, T.F32, lambda: freqs))
     for name, value in spec.extra_tensors(hp) if spec.extra_tensors else ():
         out.append(OutTensor(name, value.shape, T.F32, lambda value=value: value))
     experts = _Experts(spec, source, hp, target, tied)
+    vocab_rows = spec.vocab_rows(source.directory) if spec.vocab_rows else None
     for hf_name, t in source.tensors.items():
-        if hf_name.endswith(_IGNORED) or hf_name not in text:
+        if hf_name.endswith(_IGNORED) or hf_name not in text or text[hf_name] in spec.skip_tensors:
             continue
         if (stacked := experts.add(text[hf_name], hf_name)) is not None:
             out += stacked
@@ -87,10 +100,13 @@ def plan_tensors(
             heads = n_head
         elif spec.permute_qk and name.endswith((".attn_k.weight", ".attn_k.bias")):
             heads = n_kv
-        ne = tuple(reversed(t.shape))
-        out.append(
-            OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), _loader(source, hf_name, heads))
-        )
+        shape, rows = t.shape, None
+        if name == "token_embd.weight" and vocab_rows is not None and vocab_rows < shape[0]:
+            shape, rows = (vocab_rows, *shape[1:]), vocab_rows
+        shift = spec.norm_shift if text[hf_name].endswith("norm.weight") else 0.0
+        ne = tuple(reversed(shape))
+        load = _loader(source, hf_name, heads, shift, rows)
+        out.append(OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), load))
     experts.check_complete()
     return out
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
-from quantserve.formats.hf_config import WRAPPERS, layer_windows
+from quantserve.formats.hf_config import GEMMA_DEFAULTS, WRAPPERS, layer_windows
 from quantserve.gguf.archs import torch_architectures
 
 
@@ -140,17 +140,6 @@ class ModelArgs:
 
 
 GEMMA = ("gemma2", "gemma3_text")
-# transformers' Gemma2Config / Gemma3TextConfig defaults for the keys a released config may leave out (Gemma 3's
-# multimodal configs give little more than the sizes that differ); rope per layer type is read below
-_GEMMA_COMMON = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                     num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
-                     sliding_window=4096, query_pre_attn_scalar=256, tie_word_embeddings=True)  # fmt: skip
-GEMMA_DEFAULTS = {
-    "gemma2": {**_GEMMA_COMMON, "max_position_embeddings": 8192, "rope_theta": 10000.0,
-               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-    "gemma3_text": {**_GEMMA_COMMON, "vocab_size": 262208, "max_position_embeddings": 131072,
-                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0},
-}  # fmt: skip
 
 
 def _gemma_args(cfg: dict[str, Any], rope: dict[str, Any], arch: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
@@ -64,6 +65,8 @@ ParamsExtra = Callable[[Any, Mapping[str, Any]], None]
 Params = Callable[[Any, Mapping[str, Any], int], None]
 # the normalised config.json -> tensors the converter makes from it, written before the checkpoint's (name, f32)
 ExtraTensors = Callable[[Mapping[str, Any]], list[tuple[str, Any]]]
+# (a GGUF's metadata, the config.json built so far) -> this arch's own config.json fields (GGUF -> HF)
+GGUFConfig = Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
 
 
 def _no_extra(config: Mapping[str, Any], tensor_names: frozenset[str]) -> dict[str, Any]:
@@ -95,6 +98,14 @@ class ArchSpec:
     extra_tensors: tensors made from the config (llama3's rope_freqs, Phi-3's rope factors), written first.
     first_keys: keys llama.cpp's converter writes while it makes those tensors, so before all the others (Phi-3's
         rope attention factor comes right after general.architecture).
+    norm_shift: added to every `*norm.weight` (Gemma's (1 + w) norms are stored with the 1 in), rounded as
+        llama.cpp's converter rounds it (writer._in_dtype), and taken off again by GGUF -> HF.
+    skip_tensors: checkpoint tensors llama.cpp's converter drops (Gemma 2's lm_head, always tied).
+    vocab_rows: the model directory -> how many embedding rows to keep (Gemma 3 keeps the tokenizer's); None
+        keeps them all.
+    gguf_config: this arch's own config.json fields, written last by GGUF -> HF.
+    check: the normalised config.json -> raises UnsupportedFormatError where llama.cpp would run this checkpoint
+        as a different model (before anything is written, and for `--backend auto`).
     """
 
     gguf_arch: str
@@ -112,6 +123,11 @@ class ArchSpec:
     params: Params | None = None
     extra_tensors: ExtraTensors | None = None
     first_keys: ParamsExtra = field(default=_no_params)
+    norm_shift: float = 0.0
+    skip_tensors: tuple[str, ...] = ()
+    vocab_rows: Callable[[Path], int | None] | None = None
+    gguf_config: GGUFConfig | None = None
+    check: Callable[[Mapping[str, Any]], None] | None = None
 
     @property
     def name(self) -> str:
@@ -163,20 +179,13 @@ def language_model_name(hf_name: str) -> str | None:
 @cache
 def archs() -> dict[str, ArchSpec]:
     """Every architecture by its name (ArchSpec.name), each module imported on the first call."""
+    from quantserve.gguf.archs.gemma import GEMMA2, GEMMA3
     from quantserve.gguf.archs.llama import LLAMA, MIXTRAL
     from quantserve.gguf.archs.phi import PHI3
     from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_MOE
 
-    return {spec.name: spec for spec in (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3)}
-
-
-# Families the torch backend runs that conversion does not write yet (Gemma's tensors are llama.cpp's own, and its
-# vocab is SentencePiece's): HF `architectures` name -> model type.
-TORCH_ONLY = {
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3_text",
-    "Gemma3ForConditionalGeneration": "gemma3",  # its language model (backends/torch/args.py WRAPPERS)
-}
+    specs = (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3)
+    return {spec.name: spec for spec in specs}
 
 
 def torch_architectures() -> dict[str, str]:
@@ -186,7 +195,7 @@ def torch_architectures() -> dict[str, str]:
         for spec in archs().values()
         if spec.torch
         for name, model_type in zip(spec.hf_architectures, spec.hf_model_types, strict=True)
-    } | TORCH_ONLY
+    }
 
 
 def supported_hf_types() -> list[str]:

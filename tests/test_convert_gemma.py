@@ -1,0 +1,165 @@
+"""HF <-> GGUF for Gemma 2 and Gemma 3 on tiny random-weight checkpoints with SmolLM2's tokenizer and windows
+(4 tokens) shorter than the prompt: the GGUF equals convert_hf_to_gguf.py's key for key and byte for byte (norms
+stored as 1 + w, Gemma 3's local rope base), llama.cpp runs it as transformers does, GGUF -> HF gives the same
+weights and logits back, and configs llama.cpp would run as another model are refused by name.
+
+llama.cpp's Gemma 2 converter reads only a SentencePiece tokenizer.model; its oracle here runs with Gemma 2's
+set_vocab swapped for the byte-level BPE reader that its Gemma 3 converter uses (everything else is its own)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quantserve.converters import gguf_to_hf, hf_to_gguf
+from quantserve.errors import UnsupportedFormatError
+from quantserve.formats import read_gguf_info
+from tests.conftest import run_python
+from tests.test_convert_hf_to_gguf import IDS, _weights, llama_logits, tensor_bytes
+from tests.test_convert_phi3 import hf_logits
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("llama_cpp")
+
+SIZES = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, query_pre_attn_scalar=32, sliding_window=4, max_position_embeddings=512, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+FAMILIES = {
+    # alternating windowed and global layers, tanh caps on attention and final logits
+    "gemma2": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config, {"num_hidden_layers": 4}),
+    # five windowed layers to one global, q/k norms, local rope 10k and a linearly scaled global one
+    "gemma3": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        {
+            "num_hidden_layers": 6,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+            },
+        },
+    ),
+}
+ORACLE = '''"""convert_hf_to_gguf.py with Gemma 2 reading tokenizer.json's byte-level BPE, as its Gemma 3 does."""
+import runpy, sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(sys.argv[1]).parent))
+from conversion.gemma import Gemma2Model
+
+Gemma2Model.set_vocab = lambda self: self._set_vocab_gpt2()
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+@pytest.fixture(scope="module")
+def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    tok = tmp_path_factory.mktemp("tokenizer")
+    tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(tok)
+    out = {}
+    for name, (model_cls, config_cls, extra) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**SIZES, **extra))
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                p.normal_(0, 0.3 if key.endswith("norm.weight") else 0.1)
+        d = tmp_path_factory.mktemp(name)
+        # llama.cpp's converter adds the norms' 1 in float16 to an F16 checkpoint (so 1 + w rounds; checked byte
+        # for byte), and in float32 to a BF16 one (widened first)
+        model.to(torch.float16 if name == "gemma2" else torch.bfloat16).save_pretrained(d)
+        for f in tok.iterdir():
+            shutil.copy(f, d / f.name)
+        out[name] = d
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("oracle")
+    (tmp / "shim").mkdir()
+    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
+    (tmp / "oracle.py").write_text(ORACLE)
+    out = {}
+    for name, src in checkpoints.items():
+        out[name] = tmp / f"{name}-f16.gguf"
+        run_python([tmp / "oracle.py", vendored / "convert_hf_to_gguf.py", src, "--outfile", out[name],
+                    "--outtype", "f16"], tmp / "shim", tmp)  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gguf_equals_convert_hf_to_gguf(name, checkpoints, oracles, tmp_path):
+    ours = hf_to_gguf(checkpoints[name], tmp_path / "ours.gguf", "f16", progress=False)
+    kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracles[name]).metadata
+    expected = {k: v for k, v in ref.items() if k != "tokenizer.ggml.add_eos_token"}  # see test_convert_llava
+    assert list(kv) == list(expected) and kv == expected
+    assert kv[f"{name}.attention.sliding_window"] == 4
+    assert list(tensor_bytes(ours).items()) == list(tensor_bytes(oracles[name]).items())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_llama_cpp_runs_it_as_transformers_does(name, checkpoints, tmp_path):
+    out = hf_to_gguf(checkpoints[name], tmp_path / "m.gguf", "f16", progress=False)
+    ours, ref = llama_logits(out), hf_logits(checkpoints[name], IDS)  # 8 tokens, past the 4-token window
+    assert np.abs(ours - ref).mean() / np.abs(ref).mean() < 5e-3  # F16 weights and KV cache
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gguf_to_hf_round_trip_is_exact(name, checkpoints, tmp_path):
+    src = checkpoints[name]
+    back = gguf_to_hf(hf_to_gguf(src, tmp_path / "m.gguf", "f32", progress=False), tmp_path / "hf", "fp32")
+    original, ours = _weights(src), _weights(back)
+    assert ours.keys() == original.keys()
+    for key, value in original.items():
+        # Gemma 2's GGUF holds f16(1 + w): w comes back to within float16's step at 1
+        atol = 2**-11 if key.endswith("norm.weight") and name == "gemma2" else 0
+        np.testing.assert_allclose(ours[key], value, rtol=0, atol=atol, err_msg=key)
+    config = json.loads((back / "config.json").read_text())
+    assert config["layer_types"] == json.loads((src / "config.json").read_text())["layer_types"]
+    ids = IDS * 5
+    tol = 1e-4 if name == "gemma3" else 1e-2  # Gemma 2: its norms moved by up to 2**-11
+    np.testing.assert_allclose(hf_logits(back, ids), hf_logits(src, ids), rtol=tol, atol=tol)
+
+
+def _edited(src: Path, tmp_path: Path, **changes) -> Path:
+    d = Path(shutil.copytree(src, tmp_path / "edited"))
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, **changes}))
+    return d
+
+
+def test_what_llama_cpp_would_compute_differently_is_refused(checkpoints, tmp_path):
+    src = _edited(checkpoints["gemma3"], tmp_path, query_pre_attn_scalar=24)
+    with pytest.raises(UnsupportedFormatError, match="query_pre_attn_scalar 24.*1/sqrt\\(32\\)"):
+        hf_to_gguf(src, tmp_path / "a.gguf", "f16", progress=False)
+    types = ["sliding_attention", "full_attention"] * 3  # Gemma 2's alternation in a Gemma 3
+    src = _edited(checkpoints["gemma3"], tmp_path / "b", layer_types=types)
+    with pytest.raises(UnsupportedFormatError, match="every 6th layer global"):
+        hf_to_gguf(src, tmp_path / "b.gguf", "f16", progress=False)
+    assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_quantserve_run_serves_a_gptq_gemma3_via_the_cpu_route(checkpoints, tmp_path):
+    """`quantserve run GPTQ_DIR` on this CPU: dequantized, converted to GGUF and served by llama.cpp (auto's CPU
+    choice), and asked through the official client."""
+    pytest.importorskip("openai")
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from tests.conftest import ask_openai, start_server
+
+    tokens = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    q = tmp_path / "q"
+    quantize_checkpoint(checkpoints["gemma3"], q, "gptq", group_size=32, calib_tokens=tokens, progress=False)
+    srv = start_server(tmp_path, str(q), "--no-cache", "--cache-dir", str(tmp_path / "c"))
+    ask_openai(srv)
+    assert "after dequantization and conversion to GGUF" in srv.log()
