@@ -19,7 +19,14 @@ from quantserve.backends.torch.weights import load_model
 from quantserve.errors import UnsupportedFormatError
 from quantserve.formats import detect, read_gguf_info
 from tests.test_torch_engine import make_engine
-from tests.test_torch_moe import LONG, PROMPTS, _dequantized_copy, _together, assert_logits_match
+from tests.test_torch_moe import (
+    LONG,
+    PROMPTS,
+    _dequantized_copy,
+    _together,
+    assert_awq_folding_keeps_the_block,
+    assert_logits_match,
+)
 
 SIZES = dict(
     vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -96,27 +103,30 @@ def test_layer_types_that_do_not_fit_the_layers_are_refused(gemma_dir, tmp_path)
         load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_auto_picks_the_torch_backend_and_awq_refuses_gemma(gemma_dir, tmp_path):
-    """llama.cpp cannot be given a Gemma (no GGUF conversion yet), so `--backend auto` picks torch on any
-    machine; AWQ, whose scales assume Llama's norm placement, and --bits-budget refuse it by name before any
-    work."""
+def test_auto_picks_the_torch_backend_and_a_bits_budget_refuses_gemma(gemma_dir, tmp_path):
+    """llama.cpp would run these Gemmas as another model (their layer pattern and attention scale are not its
+    own), so `--backend auto` picks torch on any machine; --bits-budget refuses Gemma by name before any work."""
     from quantserve.backends.select import choose_backend
     from quantserve.converters.calibration.quantize import quantize_checkpoint
     from quantserve.errors import ConfigError
 
     assert choose_backend(detect(gemma_dir), "auto")[0] == "torch"
     tokens = torch.ones(2, 8, dtype=torch.long)
-    with pytest.raises(ConfigError, match="awq does not handle gemma"):
-        quantize_checkpoint(gemma_dir, tmp_path / "q", "awq", calib_tokens=tokens)
     with pytest.raises(ConfigError, match="--bits-budget does not handle Gemma"):
         quantize_checkpoint(gemma_dir, tmp_path / "q", "rtn", bits_budget=5.0, calib_tokens=tokens)
     assert not (tmp_path / "q").exists()
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn"])
-def test_gptq_and_rtn_checkpoints_of_gemma_serve_as_transformers_dequantized(method, gemma_dir, tmp_path):
-    """`quantserve convert --quant gptq|rtn` on Gemma: each layer calibrated with its own window and rope, its
-    norms written back as stored (w, not 1 + w); the torch backend serves the checkpoint with transformers'
+def test_awqs_scales_leave_a_gemma_block_computing_what_it_did(gemma_dir):
+    """AWQ folds q|k|v's scale into the input norm and gate|up's into the norm before the MLP (Gemma's own), held
+    as 1 + w; the other two into v's and up's rows."""
+    assert_awq_folding_keeps_the_block(gemma_dir, 64)
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn", "awq", "awq-gptq"])
+def test_gptq_rtn_and_awq_checkpoints_of_gemma_serve_as_transformers_dequantized(method, gemma_dir, tmp_path):
+    """`quantserve convert --quant gptq|rtn|awq` on Gemma: each layer calibrated with its own window and rope,
+    its norms written back as stored (w, not 1 + w; AWQ's rescaled (1 + w) / s - 1); the torch backend serves the checkpoint with transformers'
     logits on it dequantized exactly, and `--backend auto` picks the torch backend for it on this CPU."""
     from safetensors.torch import load_file
 

@@ -15,6 +15,7 @@ from quantserve.backends.torch.step import prepare_step
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
+from tests.test_torch_moe import assert_awq_folding_keeps_the_block
 
 TINY = dict(
     vocab_size=128,
@@ -297,25 +298,23 @@ def test_phi3_int4_at_load_equals_transformers_on_the_dequantized_weights(tmp_pa
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn"])
+@pytest.mark.parametrize("method", ["gptq", "rtn", "awq", "awq-gptq"])
 def test_phi3s_fused_projections_quantize_as_the_linears_they_are(method, tmp_path):
-    """`quantserve convert --quant gptq|rtn` on Phi-3: q|k|v and gate|up quantized as the single linears the
-    checkpoint has (qkv_proj, gate_up_proj: what GPTQModel writes for Phi-3), served by the torch backend with
-    transformers' logits on the checkpoint dequantized exactly; AWQ, whose scales would have to be split across
-    the fused rows, is refused by name before any work."""
+    """`convert --quant gptq|rtn|awq(-gptq)` on Phi-3: fused linears as the checkpoint has them (GPTQModel's, AutoAWQ's
+    layout), served as transformers dequantized; AWQ's scales, folded into v's and up's rows, keep the block."""
     from safetensors import safe_open
 
     from quantserve.backends.torch.quant_linear import QuantLinear
     from quantserve.backends.torch.weights import load_model
     from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from quantserve.errors import ConfigError
     from quantserve.formats import detect
     from quantserve.quant.dequantize import dequantize_checkpoint
 
     config_cls, extra = CASES["phi3"]
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra))
-    hf.save_pretrained(tmp_path / "src")
+    transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra)).save_pretrained(
+        tmp_path / "src"
+    )
     tokens = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     out = tmp_path / method
     quantize_checkpoint(tmp_path / "src", out, method, group_size=32, calib_tokens=tokens, progress=False)
@@ -333,10 +332,11 @@ def test_phi3s_fused_projections_quantize_as_the_linears_they_are(method, tmp_pa
     with torch.no_grad():
         want, got = ref(ids).logits, ours.compute_logits(ours(ids))
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
-    with pytest.raises(ConfigError, match=r"awq does not handle .* fused in the checkpoint \(phi3\)"):
-        quantize_checkpoint(tmp_path / "src", tmp_path / "awq", "awq", group_size=32, calib_tokens=tokens,
-                            progress=False)  # fmt: skip
-    assert not (tmp_path / "awq").exists()
+    if method == "awq":
+        assert_awq_folding_keeps_the_block(tmp_path / "src", TINY["hidden_size"])
+        mha = config_cls(**{**TINY, "num_key_value_heads": 4}, **extra)  # no GQA: v's rows take o's scale too
+        transformers.AutoModelForCausalLM.from_config(mha).save_pretrained(tmp_path / "mha")
+        assert_awq_folding_keeps_the_block(tmp_path / "mha", TINY["hidden_size"])
     if method == "rtn":  # --bits-budget's sensitivity pass scores the fused linears too, and raises some
         quantize_checkpoint(tmp_path / "src", tmp_path / "mixed", method, group_size=32, bits_budget=7.0,
                             calib_tokens=tokens, progress=False)  # fmt: skip

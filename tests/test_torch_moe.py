@@ -263,6 +263,29 @@ def test_awqs_scales_leave_a_moe_block_computing_what_it_did(moe_dir):
     assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
 
 
+def assert_awq_folding_keeps_the_block(directory: Path, hidden_size: int) -> None:
+    """AWQ's scales, searched on random activations and folded into the first layer's norms and weights (not yet
+    rounded), leave that block computing what it did."""
+    from quantserve.backends.torch.model import ModelArgs
+    from quantserve.backends.torch.rope import RotaryEmbedding
+    from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer
+    from quantserve.converters.calibration.layers import QuantizeOptions, awq_scale_block
+
+    args = ModelArgs.from_hf_config(json.loads((directory / "config.json").read_text()))
+    block = empty_block(args, torch.device("cpu"))
+    load_layer(SafetensorsReader(detect(directory).files), block.state_dict(), 0, args.norm_offset)
+    hidden = torch.randn(2, 16, hidden_size, generator=torch.Generator().manual_seed(3))
+    rope = RotaryEmbedding(args)(torch.arange(16), 15)
+    with torch.no_grad():
+        before = block(hidden, rope)
+        state = {k: v.clone() for k, v in block.state_dict().items()}
+        awq_scale_block(block, hidden, rope, QuantizeOptions("awq", 4, 32, False, False))
+        after = block(hidden, rope)
+    changed = [k for k, v in block.state_dict().items() if not torch.equal(v, state[k])]
+    assert any("norm" in k for k in changed) and any("down_proj" in k for k in changed), changed
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
+
+
 def test_a_bits_budget_scores_every_expert_and_leaves_the_routers_dense(moe_dir, tmp_path):
     """--bits-budget: the sensitivity pass rounds each linear alone, every expert's three included, and the
     recipe spends the budget on the most sensitive; the routers are never among them. The result serves with

@@ -38,8 +38,8 @@ SAME_INPUT = {
     "self_attn.v_proj": "self_attn.q_proj",
     "mlp.up_proj": "mlp.gate_proj",
 }
-# AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax.
-AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")
+# AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax (nor Phi-3's fused q|k|v).
+AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj")
 EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 # Phi-3's checkpoint fuses q|k|v and gate|up: four linears, each its own sequential group
 FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -147,16 +147,6 @@ def check_model(args: ModelArgs, method: str) -> None:
             "quantizing the language model of a multimodal checkpoint (Gemma 3's) is not supported yet: the "
             "vision side would have to be carried over as it is; serve it with --quant int4 at load"
         )
-    if args.fused and method in ("awq", "awq-gptq"):
-        raise ConfigError(
-            f"{method} does not handle a model whose q|k|v and gate|up are fused in the checkpoint ({args.arch}) "
-            "yet; use --quant gptq or rtn for this model"
-        )
-    if args.sandwich_norms and method in ("awq", "awq-gptq"):
-        raise ConfigError(
-            f"{method} does not handle {args.arch} yet (Gemma's norms after attention and the MLP are not the "
-            "inputs AWQ scales); use --quant gptq or rtn for this model"
-        )
 
 
 class _Stop(Exception):
@@ -249,13 +239,16 @@ def fold_awq_scales(
 
     input_layernorm / s_qkv with q/k/v · s_qkv; v_proj rows (and bias) / s_o with o_proj · s_o (only when v's
     outputs are o's inputs one to one, i.e. no GQA, as AutoAWQ); post_attention_layernorm / s_mlp with
-    gate/up · s_mlp; up_proj rows / s_down with down_proj · s_down.
+    gate/up · s_mlp (Gemma: pre_feedforward_layernorm, whose weight is held as 1 + w); up_proj rows / s_down with
+    down_proj · s_down.
     """
     mlp = block.mlp
+    # Gemma's MLP reads its own norm; its post-attention one normalises attention's output instead
+    mlp_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
     fold_scales(
         [
             *attention_folds(block, s_qkv, s_o),
-            (block.post_attention_layernorm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
+            (mlp_norm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
             (mlp.up_proj, None, [mlp.down_proj], s_down),
         ]
     )
@@ -321,6 +314,10 @@ def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions)
         )
 
         return awq_scale_moe_block(block, hidden, rope, opt)
+    if fused(block):
+        from quantserve.converters.calibration.awq_fused import awq_scale_fused_block
+
+        return awq_scale_fused_block(block, hidden, rope, opt)
     mlp = block.mlp
     feats: dict[str, list[torch.Tensor]] = {}
     hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
