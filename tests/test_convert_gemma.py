@@ -163,3 +163,70 @@ def test_quantserve_run_serves_a_gptq_gemma3_via_the_cpu_route(checkpoints, tmp_
     srv = start_server(tmp_path, str(q), "--no-cache", "--cache-dir", str(tmp_path / "c"))
     ask_openai(srv)
     assert "after dequantization and conversion to GGUF" in srv.log()
+
+
+def _logits(runner, tokens: list[int], computed: int) -> np.ndarray:
+    """The last position's logits for `tokens` in slot 0, whose first `computed` are taken as in its KV (prefill
+    in chunks of 16, as the engine's n_batch)."""
+    import llama_cpp as lc
+
+    from quantserve.core.detokenizer import IncrementalDetokenizer
+    from quantserve.core.sampling_params import SamplingParams
+    from quantserve.core.sequence import Sequence
+
+    seq = Sequence("s", list(tokens), SamplingParams(temperature=0.0, max_tokens=1), IncrementalDetokenizer(),
+                   max_total_tokens=512)  # fmt: skip
+    seq.block_table, seq.num_computed = [0], computed
+    while seq.num_uncomputed:
+        n = min(16, seq.num_uncomputed)
+        runner.execute([(seq, n)])
+        seq.num_computed += n
+    runner.release(seq)
+    return np.ctypeslib.as_array(lc.llama_get_logits_ith(runner.ctx, -1), shape=(runner.n_vocab,)).copy()
+
+
+def test_the_ledger_reuses_only_what_llama_cpps_window_cache_still_holds(checkpoints, tmp_path):
+    """swa_full off (the default, as llama-server): the windowed layers keep 256 cells here, so a 400-token
+    sequence has overwritten the start of its windowed KV. Resuming it after 30 tokens then gives other logits
+    than computing them again (the test can fail), and the ledger recomputes such a prompt from 0; resuming after
+    everything it computed (a chat's next turn), which the ledger reuses, gives the logits of a fresh run."""
+    from quantserve.backends.llamacpp.model import LlamaCppRunner
+    from quantserve.core.runner import DropKV
+    from quantserve.core.settings import EngineSettings
+    from quantserve.engine.kv import make_kv
+    from tests.test_kv_paged import seq
+
+    from quantserve.backends.llamacpp.backend import LlamaCppBackend
+    from quantserve.formats import detect
+
+    gguf = hf_to_gguf(checkpoints["gemma3"], tmp_path / "m.gguf", "f16", progress=False)
+    settings = EngineSettings.from_options(ctx_size=512, max_num_seqs=1, threads=1, n_batch=16)
+    steps = LlamaCppBackend().plan(detect(gguf), settings, "asked for").steps
+    assert any("keep each sequence's last 4 positions" in step for step in steps)
+    runner = LlamaCppRunner(gguf, settings)
+    try:
+        assert runner.kv_spec.window == 4
+        long = list(range(1000, 1400))
+        edit, more = long[:30] + list(range(2000, 2010)), long + [5, 6, 7]
+        _logits(runner, long, 0)
+        runner.drop_kv([DropKV(0, 30)])
+        stale = _logits(runner, edit, 30)
+        runner.drop_kv([DropKV(0)])
+        assert not np.allclose(stale, _logits(runner, edit, 0), atol=1e-3)
+        runner.drop_kv([DropKV(0)])
+        _logits(runner, long, 0)
+        resumed = _logits(runner, more, 400)
+        runner.drop_kv([DropKV(0)])
+        np.testing.assert_allclose(resumed, _logits(runner, more, 0), atol=1e-4, rtol=1e-4)
+        kv = make_kv(runner.kv_spec, prefix_caching=True)
+    finally:
+        runner.close()
+    done = seq(long)
+    kv.allocate(done)
+    done.num_computed = 400
+    kv.deallocate(done)
+    for tokens, reused in ((more, 400), (edit, 0)):  # (each leaves what it reused cached)
+        s = seq(tokens)
+        kv.allocate(s)
+        assert s.num_computed == reused
+        kv.deallocate(s)

@@ -216,3 +216,46 @@ def test_slot_prefix_cache_never_reuses_part_of_an_image():
     other = with_image(_image(b"dog"))
     kv.allocate(other)
     assert other.num_computed == 3
+
+
+def test_slot_prefix_cache_with_a_window_reuses_only_what_the_windowed_layers_kept():
+    """llama.cpp's sliding-window layers (swa_full off) keep a slot's last `window` positions: a prefix is reused
+    when the next prompt continues everything the slot computed, or when nothing was dropped yet; a shorter match
+    after more than a window of tokens is recomputed from 0 (and a second slot's copy follows the same rule)."""
+    from quantserve.engine.kv import SlotKV
+
+    def after(kv: SlotKV, tokens: list[int], computed: int) -> Sequence:
+        s = seq(tokens)
+        kv.allocate(s)
+        s.num_computed = computed
+        kv.deallocate(s)
+        return s
+
+    kv = SlotKV(1, 256, shared=False, prefix_caching=True, window=8)
+    turn = list(range(20))
+    after(kv, turn, 20)
+    nxt = seq(turn + [100, 101])  # the chat's next turn: every computed position is a prefix
+    kv.allocate(nxt)
+    assert nxt.num_computed == 20
+    kv.deallocate(nxt)
+    edit = seq(turn[:15] + [7, 7, 7])  # shares 15 tokens, but positions 0..13 left the windowed layers
+    kv.allocate(edit)
+    assert edit.num_computed == 0 and kv.take_ops()[-1].start == 0
+    kv.deallocate(edit)
+    short = SlotKV(1, 256, shared=False, prefix_caching=True, window=8)
+    after(short, turn[:7], 7)  # 7 positions < the window: nothing was dropped
+    s = seq(turn[:4] + [9, 9])
+    short.allocate(s)
+    assert s.num_computed == 4
+    full = SlotKV(1, 256, shared=False, prefix_caching=True)  # no window: any common prefix
+    after(full, turn, 20)
+    s = seq(turn[:15] + [7, 7, 7])
+    full.allocate(s)
+    assert s.num_computed == 15
+    copies = SlotKV(2, 512, shared=False, prefix_caching=True, window=8)
+    running = seq(turn + [50] * 40)
+    copies.allocate(running)
+    running.num_computed = 60
+    later = seq(turn + [60] * 40)  # shares 20 tokens with a slot that went on to 60: not copied
+    copies.allocate(later)
+    assert later.num_computed == 0 and not any(type(op).__name__ == "CopyKV" for op in copies.take_ops())

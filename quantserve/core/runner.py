@@ -39,6 +39,9 @@ class KVSpec:
     # one pass over the weights per run of consecutive slots (llama.cpp's split_equal): keep running slots packed
     pack_slots: bool = False
     prefix_cache: bool = True  # KV may outlive its sequence, for the next one with the same prefix
+    # slots: the model's windowed layers keep only each sequence's last `window` positions (llama.cpp's SWA cache
+    # with swa_full off), so a cached prefix is reusable only where those survive; 0: every position is kept
+    window: int = 0
 
     @property
     def num_blocks(self) -> int:

@@ -16,6 +16,8 @@ class LlamaCppSettings:
     """What only the llama.cpp backend reads."""
 
     kv_unified: bool = False  # one KV pool of kv_size cells shared by all sequences, not ctx_size cells each
+    # windowed layers keep every position (llama.cpp's default), not only their window's (llama-server's)
+    swa_full: bool = False
     n_gpu_layers: int | None = (
         None  # None: auto (as many as fit the GPU, backends/llamacpp/offload.py); -1: all
     )

@@ -69,6 +69,12 @@ class ServerSettings(BaseModel):
     prefix_cache: bool = Field(
         default=True, description="reuse the KV of a shared prompt prefix (system prompts, chat history)"
     )
+    swa_full: bool = Field(
+        default=False,
+        description="llama.cpp: keep every position in a sliding-window layer's KV (Gemma, gpt-oss), not only its "
+        "window's. Default off, as llama-server: far less KV at long contexts, but a cached prefix is then reused "
+        "only by a prompt that continues all of it (a chat's next turn), or that is shorter than the window",
+    )
     kv_size: int = Field(default=0, ge=0, description="cells in the shared KV pool (0: 2 x ctx-size)")
     max_num_seqs: int = Field(default=4, ge=1, le=256, description="sequences generated together")
     max_queue_len: int = Field(

@@ -139,6 +139,14 @@ class LlamaCppBackend:
             vision = f"images through {mmproj.name}: {describe_mmproj(read_gguf_info(mmproj))}"
             load += f"; images through {mmproj.name} (libmtmd)"
         steps: tuple[str, ...] = (PROBE_STEP, load)
+        if (window := info.metadata.get(f"{info.architecture}.attention.sliding_window")) and not (
+            settings.llamacpp.swa_full
+        ):
+            steps += (
+                f"sliding-window layers keep each sequence's last {window} positions (plus a batch; --swa-full "
+                "keeps all): the KV above counts every layer at full context, an upper bound; a cached prefix is "
+                "reused by a prompt that continues all of it",
+            )
         if rank:
             steps += (
                 f"a classification head of {rank} output(s): rank pooling for /v1/rerank, no generation",

@@ -97,6 +97,8 @@ class LlamaCppRunner:
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.kv_unified = own.kv_unified
+        # a windowed model's windowed layers keep only their window (plus a ubatch) unless swa_full, as llama-server
+        cparams.swa_full = own.swa_full
         cparams.type_k = KV_CACHE_TYPES[own.cache_type_k]
         cparams.type_v = KV_CACHE_TYPES[own.cache_type_v]
         cparams.no_perf = True
@@ -141,7 +143,14 @@ class LlamaCppRunner:
             prefix_cache=not (
                 lc.llama_model_is_recurrent(self.model) or lc.llama_model_is_hybrid(self.model)
             ),
+            window=0 if own.swa_full else lc.llama_model_n_swa(self.model),
         )
+        if self.kv_spec.window:
+            log.info(
+                "sliding-window layers keep the last %d positions of each sequence (--swa-full keeps all): a "
+                "cached prefix is reused by a prompt that continues all of it",
+                self.kv_spec.window,
+            )
         log.info(
             "KV cache: %d cells (%s), %s, flash attention %s",
             self.n_kv_cells,

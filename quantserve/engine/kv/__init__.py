@@ -56,8 +56,9 @@ def make_kv(spec: KVSpec, *, prefix_caching: bool) -> KVManager:
     if spec.layout == "paged":
         return PagedKV(spec.num_blocks, spec.block_size, prefix_caching=caching)
     return SlotKV(
-        spec.num_slots, spec.cells, shared=spec.shared, prefix_caching=caching, pack=spec.pack_slots
-    )
+        spec.num_slots, spec.cells, shared=spec.shared, prefix_caching=caching, pack=spec.pack_slots,
+        window=spec.window,
+    )  # fmt: skip
 
 
 __all__ = ["MIN_COPY_GAIN", "PACK_MIN_PREFIX_GAIN", "KVManager", "PagedKV", "SlotKV", "make_kv"]

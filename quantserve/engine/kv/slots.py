@@ -20,6 +20,13 @@ own pass over the weights, so a gap among the running slots costs a pass on ever
 SmolLM2 on 2 cores, a whole step for a larger model); recomputing 256 prompt tokens costs ~0.5 s here once. So a
 higher slot wins only if its cached prefix saves PACK_MIN_PREFIX_GAIN more tokens: short chat prompts share only
 their template's head and pack; a long conversation still gets its own slot back.
+
+With a `window` (llama.cpp's sliding-window layers when swa_full is off), a slot's windowed layers keep only the
+last `window` positions of what it computed: having computed positions 0..P, they dropped every position up to
+P - window. A sequence resuming after a prefix of n tokens attends, in those layers, to positions n - window + 1
+.. n, so the prefix is reusable only if n >= P (it continues everything the slot computed: a chat's next turn) or
+nothing was dropped yet (P < window). Any other match is recomputed from 0, as llama-server does without its
+checkpoints.
 """
 
 from __future__ import annotations
@@ -42,8 +49,17 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class SlotKV:
     """The ledger of llama.cpp's slots. Not thread-safe (the engine thread is its only user)."""
 
-    def __init__(self, num_slots: int, cells: int, *, shared: bool, prefix_caching: bool, pack: bool = False):
-        self.num_slots, self.cells, self.shared = num_slots, cells, shared
+    def __init__(
+        self,
+        num_slots: int,
+        cells: int,
+        *,
+        shared: bool,
+        prefix_caching: bool,
+        pack: bool = False,
+        window: int = 0,
+    ):
+        self.num_slots, self.cells, self.shared, self.window = num_slots, cells, shared, window
         self.per_slot = cells if shared else cells // num_slots
         self.prefix_caching, self.pack = prefix_caching, pack
         self._free_slots = list(range(num_slots))
@@ -136,7 +152,7 @@ class SlotKV:
             return lowest, 0
 
         def reusable(slot: int) -> int:
-            return _reusable(seq, self.slot_tokens.get(slot, []))
+            return _reusable(seq, self.slot_tokens.get(slot, []), self.window)
 
         # Ties: an empty slot before a cached one, then the oldest cache (kept newest-last), then the lowest slot.
         age = {slot: i for i, slot in enumerate(self.slot_tokens)}
@@ -153,13 +169,16 @@ class SlotKV:
             return slot, 0
         held = {s: t for s, t in self.slot_tokens.items() if s != slot}
         held.update({s: r.cache_tokens[: r.num_computed] for s, r in self._running.items() if s != slot})
-        best = max(held, key=lambda s: (_reusable(seq, held[s]), -s), default=slot)
-        return best, _reusable(seq, held[best]) if best != slot else 0
+        best = max(held, key=lambda s: (_reusable(seq, held[s], self.window), -s), default=slot)
+        return best, _reusable(seq, held[best], self.window) if best != slot else 0
 
 
-def _reusable(seq: Sequence, held: list[int]) -> int:
+def _reusable(seq: Sequence, held: list[int], window: int = 0) -> int:
     """How many of `held`'s tokens `seq` can reuse: their common prefix, never seq's last token (its logits are
-    needed), and never ending inside an image (libmtmd evaluates an image whole)."""
+    needed), never ending inside an image (libmtmd evaluates an image whole), and with a `window`, none unless
+    the windowed layers still hold what the prefix needs (see the module docstring)."""
     keys = seq.cache_tokens
     n = min(common_prefix_len(held, keys), len(keys) - 1)
-    return next((s.offset for s in seq.images if s.offset < n < s.end), n)
+    n = next((s.offset for s in seq.images if s.offset < n < s.end), n)
+    last = len(held) - 1  # the last position the slot computed
+    return n if not window or last < window or n >= last else 0
