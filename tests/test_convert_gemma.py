@@ -107,6 +107,38 @@ def test_gguf_equals_convert_hf_to_gguf(name, checkpoints, oracles, tmp_path):
     assert list(tensor_bytes(ours).items()) == list(tensor_bytes(oracles[name]).items())
 
 
+def test_the_language_model_of_a_multimodal_gemma3_converts_as_llama_cpp_converts_it(
+    vendored, smollm2_gguf, tmp_path
+):
+    """Gemma3ForConditionalGeneration (hub layout: `language_model.model.*`, a SigLIP tower and a projector): its
+    text GGUF equals convert_hf_to_gguf.py's, which drops the vision side (llama.cpp writes that to an mmproj)."""
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    text = {k: v for k, v in SIZES.items() if not k.endswith("token_id")} | {"num_hidden_layers": 6}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=49151, boi_token_index=49150, eoi_token_index=49149)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.normal_(0, 0.3 if key.endswith("norm.weight") else 0.1)
+    src = tmp_path / "mm"
+    model.to(torch.bfloat16).save_pretrained(src)
+    tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(src)
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
+    oracle = tmp_path / "oracle.gguf"
+    run_python([vendored / "convert_hf_to_gguf.py", src, "--outfile", oracle, "--outtype", "f16"], tmp_path / "shim",
+               tmp_path)  # fmt: skip
+    ours = hf_to_gguf(src, tmp_path / "ours.gguf", "f16", progress=False)
+    kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracle).metadata
+    assert kv == {k: v for k, v in ref.items() if k != "tokenizer.ggml.add_eos_token"}
+    assert list(tensor_bytes(ours).items()) == list(tensor_bytes(oracle).items())
+    assert not any(t.name.startswith(("v.", "mm.")) for t in read_gguf_info(ours).tensors)
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_llama_cpp_runs_it_as_transformers_does(name, checkpoints, tmp_path):
     out = hf_to_gguf(checkpoints[name], tmp_path / "m.gguf", "f16", progress=False)
@@ -190,14 +222,13 @@ def test_the_ledger_reuses_only_what_llama_cpps_window_cache_still_holds(checkpo
     sequence has overwritten the start of its windowed KV. Resuming it after 30 tokens then gives other logits
     than computing them again (the test can fail), and the ledger recomputes such a prompt from 0; resuming after
     everything it computed (a chat's next turn), which the ledger reuses, gives the logits of a fresh run."""
+    from quantserve.backends.llamacpp.backend import LlamaCppBackend
     from quantserve.backends.llamacpp.model import LlamaCppRunner
     from quantserve.core.runner import DropKV
     from quantserve.core.settings import EngineSettings
     from quantserve.engine.kv import make_kv
-    from tests.test_kv_paged import seq
-
-    from quantserve.backends.llamacpp.backend import LlamaCppBackend
     from quantserve.formats import detect
+    from tests.test_kv_paged import seq
 
     gguf = hf_to_gguf(checkpoints["gemma3"], tmp_path / "m.gguf", "f16", progress=False)
     settings = EngineSettings.from_options(ctx_size=512, max_num_seqs=1, threads=1, n_batch=16)
