@@ -68,3 +68,21 @@ def test_the_torch_backend_runs_what_the_registry_marks():
         # the multimodal Gemma 3 for its language model
         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
     }  # fmt: skip
+
+
+def test_every_tensor_name_table_agrees_with_gguf_pys_own_map():
+    """The archs' HF <-> GGUF name tables (both directions need one table) say what gguf-py's tensor map for that
+    architecture says (`gguf.get_tensor_name_map`, what convert_hf_to_gguf.py maps with), experts included as
+    llama.cpp's converters name them once stacked; tensors an arch drops (Gemma 2's lm_head) excepted."""
+    import gguf
+
+    from quantserve.gguf.archs import GLOBAL_TENSORS, archs
+
+    by_name = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+    for spec in archs().values():
+        theirs = gguf.get_tensor_name_map(by_name[spec.gguf_arch], 2)
+        pairs = [p for p in GLOBAL_TENSORS if p[0] not in spec.skip_tensors]
+        pairs += [(f"model.layers.1.{hf}", f"blk.1.{name}") for hf, name in spec.layer_tensors]
+        pairs += [(f"model.layers.1.{spec.expert_prefix}.{hf}", f"blk.1.{name}") for hf, name in spec.experts]
+        for hf, name in pairs:
+            assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) == name, (spec.name, hf)
