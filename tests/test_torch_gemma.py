@@ -148,6 +148,32 @@ def test_gptq_rtn_and_awq_checkpoints_of_gemma_serve_as_transformers_dequantized
         dequantize_checkpoint(out, tmp_path / "dq", dtype="float32"), dtype=torch.float32
     ).eval()
     assert_logits_match(ours, ref, LONG)
+    if method.startswith(
+        "awq"
+    ):  # 8 bits: what AWQ stored (rescaled norms included) is the model it started from
+        quantize_checkpoint(gemma_dir, tmp_path / "q8", method, bits=8, group_size=32, fmt="gptq",
+                            calib_tokens=tokens, progress=False)  # fmt: skip
+        assert_close_to_dense(
+            gemma_dir, dequantize_checkpoint(tmp_path / "q8", tmp_path / "dq8", dtype="float32")
+        )
+
+
+def assert_close_to_dense(
+    dense: Path, quantized: Path, tokens: list[int] = LONG, bound: float = 0.05
+) -> None:
+    """Logits of a (dequantized) quantized checkpoint within `bound` of its dense source's (mean relative)."""
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        want = (
+            transformers.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()(ids).logits
+        )
+        got = (
+            transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
+            .eval()(ids)
+            .logits
+        )
+    err = float((got - want).abs().mean() / want.abs().mean())
+    assert err < bound, f"mean relative logit error {err:.3f} against the dense model"
 
 
 def test_inspect_names_the_windowed_layers(gemma_dir):

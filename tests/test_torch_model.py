@@ -15,7 +15,6 @@ from quantserve.backends.torch.step import prepare_step
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
-from tests.test_torch_moe import assert_awq_folding_keeps_the_block
 
 TINY = dict(
     vocab_size=128,
@@ -301,7 +300,7 @@ def test_phi3_int4_at_load_equals_transformers_on_the_dequantized_weights(tmp_pa
 @pytest.mark.parametrize("method", ["gptq", "rtn", "awq", "awq-gptq"])
 def test_phi3s_fused_projections_quantize_as_the_linears_they_are(method, tmp_path):
     """`convert --quant gptq|rtn|awq(-gptq)` on Phi-3: fused linears as the checkpoint has them (GPTQModel's, AutoAWQ's
-    layout), served as transformers dequantized; AWQ's scales, folded into v's and up's rows, keep the block."""
+    layout), served as transformers dequantized (AWQ's folding is checked in test_awq_families)."""
     from safetensors import safe_open
 
     from quantserve.backends.torch.quant_linear import QuantLinear
@@ -332,11 +331,6 @@ def test_phi3s_fused_projections_quantize_as_the_linears_they_are(method, tmp_pa
     with torch.no_grad():
         want, got = ref(ids).logits, ours.compute_logits(ours(ids))
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
-    if method == "awq":
-        assert_awq_folding_keeps_the_block(tmp_path / "src", TINY["hidden_size"])
-        mha = config_cls(**{**TINY, "num_key_value_heads": 4}, **extra)  # no GQA: v's rows take o's scale too
-        transformers.AutoModelForCausalLM.from_config(mha).save_pretrained(tmp_path / "mha")
-        assert_awq_folding_keeps_the_block(tmp_path / "mha", TINY["hidden_size"])
     if method == "rtn":  # --bits-budget's sensitivity pass scores the fused linears too, and raises some
         quantize_checkpoint(tmp_path / "src", tmp_path / "mixed", method, group_size=32, bits_budget=7.0,
                             calib_tokens=tokens, progress=False)  # fmt: skip

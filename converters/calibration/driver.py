@@ -228,6 +228,7 @@ def _stream(
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
         dtypes = load_layer(reader, state, i, args.norm_offset)
+        norms = {n: p.clone() for n, p in state.items() if args.norm_offset and n.endswith("norm.weight")}
         used.update(prefix + name for name in state)
         window = args.layer_windows[i] if args.layer_windows else 0
         block.self_attn.window = window  # one block serves every layer: its window is the layer's
@@ -235,9 +236,11 @@ def _stream(
         results = LAYER_METHODS[opt.method](
             block, hidden, layer_rope if hidden is not None else None, replace(opt, layer=i)
         )
+        kept = {n for n, p in norms.items() if torch.equal(p, state[n])}  # Gemma norms AWQ did not rescale
         for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
-            if name.removesuffix(".weight") not in linears:
-                p.copy_(p.to(dtypes[name]))
+            if name.removesuffix(".weight") not in linears and name not in kept:
+                off = args.norm_offset if name.endswith("norm.weight") else 0.0  # Gemma's stored w of 1 + w
+                p.copy_((p - off).to(dtypes[name]).float() + off)
         if hidden is not None and i + 1 < n_layers:
             run_block(block, hidden, layer_rope, opt.batch_size, out=hidden)
         elapsed = time.perf_counter() - start
@@ -256,7 +259,9 @@ def _stream(
                     b = None if bias is None else bias.to("cpu", dtypes[module + ".bias"], copy=True)
                     yield QuantizedLinear(reader.their_name(prefix + module), _to_cpu(qw), b, loss)
             elif args.norm_offset and name.endswith("norm.weight"):  # Gemma's norm as stored (w, not 1 + w)
-                yield DenseTensor(reader.their_name(prefix + name), reader.get(prefix + name))
+                # the checkpoint's own bytes unless AWQ rescaled it ((1 + w) - 1 may round in float32)
+                w = reader.get(prefix + name) if name in kept else (p - args.norm_offset).to("cpu", dtypes[name])
+                yield DenseTensor(reader.their_name(prefix + name), w)
             else:
                 yield DenseTensor(reader.their_name(prefix + name), p.to("cpu", dtypes[name], copy=True))
     del block, state, hidden
