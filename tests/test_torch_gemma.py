@@ -103,18 +103,39 @@ def test_layer_types_that_do_not_fit_the_layers_are_refused(gemma_dir, tmp_path)
         load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_auto_picks_the_torch_backend_and_a_bits_budget_refuses_gemma(gemma_dir, tmp_path):
+def test_auto_picks_the_torch_backend(gemma_dir):
     """llama.cpp would run these Gemmas as another model (their layer pattern and attention scale are not its
-    own), so `--backend auto` picks torch on any machine; --bits-budget refuses Gemma by name before any work."""
+    own), so `--backend auto` picks torch on any machine."""
     from quantserve.backends.select import choose_backend
-    from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from quantserve.errors import ConfigError
 
     assert choose_backend(detect(gemma_dir), "auto")[0] == "torch"
-    tokens = torch.ones(2, 8, dtype=torch.long)
-    with pytest.raises(ConfigError, match="--bits-budget does not handle Gemma"):
-        quantize_checkpoint(gemma_dir, tmp_path / "q", "rtn", bits_budget=5.0, calib_tokens=tokens)
-    assert not (tmp_path / "q").exists()
+
+
+def test_bits_budget_sensitivity_equals_transformers_with_that_linear_rounded(gemma_dir, tmp_path):
+    """--bits-budget's sensitivity pass runs each Gemma layer with its window, rope, norms (1 + w), scaled
+    embedding and final cap: the KL it reports for a linear equals transformers' KL between the model and the
+    model with that linear alone rounded (RTN 4-bit), for a windowed layer's q and a global layer's down."""
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.converters.calibration.recipes import sensitivity
+    from quantserve.quant.rtn import quantize_rtn
+
+    tokens = torch.tensor([LONG])
+    found = sensitivity(gemma_dir, tokens, 4, 32, progress=False)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(ref(tokens).logits[0], -1)
+        for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+            linear = ref.get_submodule(name)
+            w = linear.weight.clone()
+            linear.weight.copy_(quantize_rtn(w, 4, 32, True, torch.float16, name).dequantize().t())
+            got = torch.log_softmax(ref(tokens).logits[0], -1)
+            linear.weight.copy_(w)
+            kl = float((want.exp() * (want - got)).sum(-1).mean())
+            assert found.kl[name] == pytest.approx(kl, rel=1e-3, abs=1e-7), name
+    quantize_checkpoint(gemma_dir, tmp_path / "q", "rtn", group_size=32, bits_budget=7.0, calib_tokens=tokens,
+                        progress=False)  # fmt: skip
+    dynamic = json.loads((tmp_path / "q/config.json").read_text())["quantization_config"]["dynamic"]
+    assert dynamic and load_model(detect(tmp_path / "q"), dtype=torch.float32, device=torch.device("cpu"))
 
 
 def test_awqs_scales_leave_a_gemma_block_computing_what_it_did(gemma_dir):

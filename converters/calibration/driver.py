@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -195,6 +196,16 @@ def quantize_model(
     return _stream(SafetensorsReader(spec.files, args.our_name), args, calib_tokens, opt, dev, progress)
 
 
+def ropes(args: ModelArgs, n: int, device: torch.device | str) -> tuple[Any, Any]:
+    """The rotary tables of n positions for the global layers and for the windowed ones (Gemma 3's local base;
+    the same table for every other model), each computed once."""
+    rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)
+    if not args.rope_local_theta:
+        return rope, rope
+    local_args = replace(args, rope_theta=args.rope_local_theta, rope_scaling=())
+    return rope, RotaryEmbedding(local_args).to(device)(torch.arange(n, device=device), n - 1)
+
+
 @torch.no_grad()
 def _stream(
     reader: SafetensorsReader,
@@ -212,12 +223,7 @@ def _stream(
         hidden = torch.nn.functional.embedding(tokens.to(device), embed.to(device, torch.float32))
         if args.embed_scale:  # Gemma
             hidden *= args.hidden_size**0.5
-        n = tokens.shape[1]
-        rope = RotaryEmbedding(args).to(device)(torch.arange(n, device=device), n - 1)  # the model's, once
-        local = rope  # Gemma 3's windowed layers have a rope of their own
-        if args.rope_local_theta:
-            local_args = replace(args, rope_theta=args.rope_local_theta, rope_scaling=())
-            local = RotaryEmbedding(local_args).to(device)(torch.arange(n, device=device), n - 1)
+        rope, local = ropes(args, tokens.shape[1], device)
     del embed
     block = empty_block(args, device)
     state = block.state_dict()

@@ -120,12 +120,6 @@ def quantize_checkpoint(
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs
 
-        if ModelArgs.from_hf_config(spec.config).sandwich_norms:
-            raise ConfigError(
-                "--bits-budget does not handle Gemma yet (its sensitivity pass runs Llama-style blocks); quantize "
-                "it at one --bits",
-                param="bits_budget",
-            )
         shapes = linear_shapes(ModelArgs.from_hf_config(spec.config)).values()
         base = sum(linear_bpw(n, k, bits, group_size) * n * k for n, k in shapes) / sum(
             n * k for n, k in shapes

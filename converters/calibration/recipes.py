@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quantserve.backends.torch.model import ModelArgs, RMSNorm, RotaryEmbedding
+from quantserve.backends.torch.model import ModelArgs, RMSNorm
 from quantserve.converters.calibration.driver import (
     EMBED,
     FINAL_NORM,
@@ -28,6 +28,7 @@ from quantserve.converters.calibration.driver import (
     SafetensorsReader,
     empty_block,
     load_layer,
+    ropes,
 )
 from quantserve.converters.calibration.layers import FUSED_LINEARS, LINEARS, block_linears
 from quantserve.errors import ConfigError
@@ -98,37 +99,39 @@ def sensitivity(
     if spec.format != "safetensors" or not spec.config:
         raise ConfigError(f"{src} is not a dense safetensors checkpoint; the sensitivity pass reads those")
     args = ModelArgs.from_hf_config(spec.config)
-    if args.sandwich_norms or len(set(args.layer_windows)) > 1 or args.rope_local_theta:
-        raise ConfigError(
-            f"the sensitivity pass runs every layer as layer 0's Llama-style block, which {args.arch}'s are not"
-        )
     reader = SafetensorsReader(spec.files, args.our_name)
     n_layers = args.num_hidden_layers
+    windows = args.layer_windows or (0,) * n_layers
     blocks = []
     for i in range(n_layers):
         block = empty_block(args, "cpu")
+        block.self_attn.window = windows[i]  # each layer as the model runs it (Gemma's windows, norms, ropes)
         if args.num_experts:
             block.mlp.calibrate_all = (
                 False  # only the routed experts: nothing here needs inputs of the others
             )
-        load_layer(reader, block.state_dict(), i)
+        load_layer(reader, block.state_dict(), i, args.norm_offset)
         blocks.append(block)
     embed = reader.get(EMBED).float()
     head = embed if args.tie_word_embeddings or LM_HEAD not in reader else reader.get(LM_HEAD).float()
     norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-    norm.weight.copy_(reader.get(FINAL_NORM))
+    norm.weight.copy_(reader.get(FINAL_NORM).float() + args.norm_offset)
     n = tokens.shape[1]
-    rope = RotaryEmbedding(args)(torch.arange(n), n - 1)
+    rope, local = ropes(args, n, "cpu")
+    layer_ropes = [local if w else rope for w in windows]
     step = max(1, tokens.numel() // max_positions)
     picks = torch.arange(tokens.numel())[::step][:max_positions]  # flat positions scored
 
     def logp(h: torch.Tensor) -> torch.Tensor:
-        h = norm(h).reshape(-1, h.shape[-1])[picks]
-        return F.log_softmax(h @ head.t(), dim=-1)
+        logits = norm(h).reshape(-1, h.shape[-1])[picks] @ head.t()
+        if args.final_softcap:  # Gemma 2's cap on the final logits
+            logits = torch.tanh(logits / args.final_softcap) * args.final_softcap
+        return F.log_softmax(logits, dim=-1)
 
-    inputs = [F.embedding(tokens, embed)]  # the full-precision input of every layer
-    for block in blocks:
-        inputs.append(block(inputs[-1], rope))
+    x = F.embedding(tokens, embed)
+    inputs = [x * args.hidden_size**0.5 if args.embed_scale else x]  # the full-precision input of every layer
+    for block, r in zip(blocks, layer_ropes, strict=True):
+        inputs.append(block(inputs[-1], r))
     ref = logp(inputs[-1])
     kl: dict[str, float] = {}
     shapes = linear_shapes(args)
@@ -138,9 +141,9 @@ def sensitivity(
             linear = block.get_submodule(name)
             w = linear.weight.detach().clone()
             linear.weight.copy_(quantize_rtn(w, bits, group_size, sym, torch.float16, name).dequantize().t())
-            h = block(inputs[i], rope)
-            for later in blocks[i + 1 :]:
-                h = later(h, rope)
+            h = block(inputs[i], layer_ropes[i])
+            for later, r in zip(blocks[i + 1 :], layer_ropes[i + 1 :], strict=True):
+                h = later(h, r)
             linear.weight.copy_(w)
             lq = logp(h)
             kl[f"model.layers.{i}.{name}"] = float((ref.exp() * (ref - lq)).sum(-1).mean())
