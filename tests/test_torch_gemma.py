@@ -216,7 +216,8 @@ def test_inspect_names_the_windowed_layers(gemma_dir):
 
 def test_gemma3s_multimodal_checkpoint_serves_its_language_model(smollm2_gguf, tmp_path):
     """Gemma3ForConditionalGeneration (what most Gemma 3 checkpoints are): its language model, under
-    `model.language_model.*`, gives the wrapper's own text-only logits; the vision tower is left unread."""
+    `model.language_model.*`, gives the wrapper's own text-only logits, the vision tower left unread; and GPTQ of
+    that language model keeps the vision side as it was."""
     _, config_cls, extra = FAMILIES["gemma3"]
     torch.manual_seed(0)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
@@ -232,13 +233,24 @@ def test_gemma3s_multimodal_checkpoint_serves_its_language_model(smollm2_gguf, t
     ours = load_model(detect(tmp_path), dtype=torch.float32, device=torch.device("cpu"))
     assert ours.args.arch == "gemma3_text" and ours.args.rope_local_theta == 10000.0
     assert_logits_match(ours, hf, LONG)
-    # the quantizers would drop its vision side: refused by name, before any work
-    from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from quantserve.errors import ConfigError
+    # GPTQ of its language model: the vision side carried over byte for byte and named as dense in the config
+    from safetensors.torch import load_file
 
-    with pytest.raises(ConfigError, match="language model of a multimodal checkpoint"):
-        quantize_checkpoint(tmp_path, tmp_path / "q", "gptq", calib_tokens=torch.ones(2, 8, dtype=torch.long))
-    assert not (tmp_path / "q").exists()
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    tokens = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    q = quantize_checkpoint(
+        tmp_path, tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False
+    ).path
+    src, out = load_file(tmp_path / "model.safetensors"), load_file(q / "model.safetensors")
+    vision = [k for k in src if "vision_tower." in k or "multi_modal_projector." in k]
+    assert vision and all(torch.equal(out[k], src[k]) for k in vision)
+    dynamic = json.loads((q / "config.json").read_text())["quantization_config"]["dynamic"]
+    assert any("fc1" in k and k.startswith("-:") for k in dynamic)  # no loader looks for a quantized fc1
+    ours = load_model(detect(q), dtype=torch.float32, device=torch.device("cpu"))
+    dq = dequantize_checkpoint(q, tmp_path / "dq", dtype="float32")
+    assert_logits_match(ours, transformers.AutoModelForImageTextToText.from_pretrained(dq).eval(), LONG)
 
 
 def test_a_sparse_gemma3_config_reads_with_gemma3s_defaults():

@@ -275,7 +275,10 @@ def _stream(
     if LM_HEAD in reader and not args.tie_word_embeddings:
         yield DenseTensor(reader.their_name(LM_HEAD), reader.get(LM_HEAD))
     unused = sorted(n for n in reader.names() - used if not n.endswith("rotary_emb.inv_freq"))
-    if unused:
+    if args.wrapped:  # a multimodal checkpoint's vision tower and projector, carried over as they are
+        for name in unused:
+            yield DenseTensor(reader.their_name(name), reader.get(name))
+    elif unused:
         log.warning("tensors not part of the quantized model were dropped: %s", ", ".join(unused[:8]))
 
 

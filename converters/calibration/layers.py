@@ -122,7 +122,6 @@ class QuantizeOptions:
             raise ConfigError(
                 f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
             )
-        check_model(args, self.method)
         ff = args.moe_intermediate_size if args.num_experts else args.intermediate_size
         for name, k in (
             ("q/k/v/gate/up_proj", args.hidden_size),
@@ -136,17 +135,6 @@ class QuantizeOptions:
                 args.num_attention_heads * args.head_dim if kind == "o_proj" else args.hidden_size
             )  # fmt: skip
             check_quant_args(k, bits, group, prefix)
-
-
-def check_model(args: ModelArgs, method: str) -> None:
-    """Raises ConfigError for a model these quantizers cannot do (yet), naming why and what to do instead."""
-    if any(
-        theirs.startswith(("model.language_model.", "language_model.")) for theirs, _ in args.checkpoint_names
-    ):
-        raise ConfigError(
-            "quantizing the language model of a multimodal checkpoint (Gemma 3's) is not supported yet: the "
-            "vision side would have to be carried over as it is; serve it with --quant int4 at load"
-        )
 
 
 class _Stop(Exception):

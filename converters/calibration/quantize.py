@@ -6,7 +6,6 @@ The library side of `quantserve convert --quant gptq|awq|rtn` and `--format`: th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import torch
 
 from quantserve.converters.hf_quant import WriteOptions, write_quantized, writers
 from quantserve.errors import ConfigError, UnsupportedFormatError
-from quantserve.formats import detect
+from quantserve.formats import ModelSpec, detect, read_safetensors_header
 from quantserve.formats.schemes import QuantScheme, schemes
 
 log = logging.getLogger("quantserve.convert")
@@ -111,12 +110,6 @@ def quantize_checkpoint(
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
-    if spec.config and not spec.scheme:  # a model these quantizers cannot do is refused before any work
-        from quantserve.backends.torch.args import ModelArgs
-        from quantserve.converters.calibration.layers import check_model
-
-        with contextlib.suppress(UnsupportedFormatError):  # a LLaVA: its language model is read later
-            check_model(ModelArgs.from_hf_config(spec.config), method)
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs
 
@@ -178,6 +171,7 @@ def quantize_checkpoint(
         yield from dense
 
     options = WriteOptions(
+        modules_to_not_convert=_other_linears(spec),
         damp_percent=damp_percent if "gptq" in method else None,
         quantizer=f"quantserve:{method}",
         force=force,
@@ -191,6 +185,26 @@ def quantize_checkpoint(
         out, method, fmt, count[0], time.perf_counter() - t0, sum(losses) / len(losses) if losses else None,
         described, overrides, bits_sum[0] / bits_sum[1] if bits_sum[1] else None,
     )  # fmt: skip
+
+
+def _other_linears(spec: ModelSpec) -> tuple[str, ...]:
+    """A multimodal checkpoint's linears outside its language model (the vision tower's, the projector's): left
+    dense, and named so in the quantization config, so that no loader looks for their quantized tensors."""
+    from quantserve.backends.torch.args import ModelArgs
+
+    try:
+        if not spec.config or not ModelArgs.from_hf_config(spec.config).wrapped:
+            return ()
+    except UnsupportedFormatError:  # a LLaVA: its language model is read as its own later
+        return ()
+    names = [t for f in spec.files for t in read_safetensors_header(f).tensors.values()]
+    return tuple(
+        sorted(
+            t.name.removesuffix(".weight")
+            for t in names
+            if len(t.shape) == 2 and t.name.endswith(".weight") and "language_model." not in t.name
+        )
+    )
 
 
 def _target(fmt: str) -> type[QuantScheme]:

@@ -53,6 +53,11 @@ class ModelArgs:
     # (theirs, ours) fragments
     checkpoint_names: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def wrapped(self) -> bool:
+        """The language model of a multimodal checkpoint (its other tensors are not this model's)."""
+        return self.checkpoint_names == WRAPPED_NAMES
+
     def our_name(self, name: str) -> str:
         """A checkpoint tensor's (or linear's) name in this model's modules."""
         name += "."  # a linear's prefix ends in its own name: let the fragments match there too
