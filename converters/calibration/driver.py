@@ -266,7 +266,11 @@ def _stream(
                     yield QuantizedLinear(reader.their_name(prefix + module), _to_cpu(qw), b, loss)
             elif args.norm_offset and name.endswith("norm.weight"):  # Gemma's norm as stored (w, not 1 + w)
                 # the checkpoint's own bytes unless AWQ rescaled it ((1 + w) - 1 may round in float32)
-                w = reader.get(prefix + name) if name in kept else (p - args.norm_offset).to("cpu", dtypes[name])
+                w = (
+                    reader.get(prefix + name)
+                    if name in kept
+                    else (p - args.norm_offset).to("cpu", dtypes[name])
+                )
                 yield DenseTensor(reader.their_name(prefix + name), w)
             else:
                 yield DenseTensor(reader.their_name(prefix + name), p.to("cpu", dtypes[name], copy=True))
