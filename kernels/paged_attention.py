@@ -6,6 +6,10 @@ engine then needs no per-step gather of every context position (a [B, C] index b
 per layer), and the inputs have fixed shapes (block tables padded to a width, lengths as a tensor), which is what a
 CUDA graph needs: the loop bound is read from `context_lens` on the device.
 
+A sliding window (Gemma, Mistral) starts the loop at the window's first position instead of 0, so a windowed layer
+reads only `window` positions whatever the context; Gemma 2's soft cap bounds the scores by cap * tanh(s / cap)
+before the softmax, in fp32.
+
 One program per (sequence, KV head) computes all G = H / KV query heads of its group against one pass over the
 group's keys and values (grouped-query attention reads each K/V once), BLOCK_N positions at a time, with the
 online softmax of FlashAttention (running max and sum in fp32). The heads are padded to at least 16 rows so that
@@ -30,11 +34,12 @@ tl: Any = None  # triton.language, bound on first use: importing this module nev
 def _paged_decode(
     q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
-    scale, block_size,
+    scale, block_size, window, softcap,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    F32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
-    """out[b, h] = softmax(q[b, h] . K[b]^T * scale) V[b] for the G query heads h of KV head program_id(1)."""
+    """out[b, h] = softmax(cap(q[b, h] . K[b]^T * scale)) V[b] for the G query heads h of KV head program_id(1),
+    over the last `window` positions of the context."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, G_PAD)
@@ -54,7 +59,7 @@ def _paged_decode(
     l_i = tl.full([G_PAD], 0.0, tl.float32)
     acc = tl.full([G_PAD, D_PAD], 0.0, tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, ctx, BLOCK_N):
+    for start in range(tl.maximum(ctx - window, 0), ctx, BLOCK_N):
         pos = start + n
         p_mask = pos < ctx
         blk = tl.load(bt_ptr + b * stride_bt + pos // block_size, mask=p_mask, other=0)
@@ -67,6 +72,8 @@ def _paged_decode(
             k, v = k.to(tl.float32), v.to(tl.float32)
         # scores [G_PAD, BLOCK_N]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=tl.float32) * scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 / (1 + e^-2x) - 1 (no tanh among the interpreter's builtins)
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         alpha = tl.exp(m_i - m_new)
@@ -121,6 +128,8 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its paged context.
 
@@ -131,6 +140,8 @@ def paged_decode_attention(
         context_lens: int32 [B] positions to attend to, the new token's own included (>= 1).
         block_size: cache cells per block.
         scale: multiplies the scores (1 / sqrt(D) for plain attention).
+        window: attend to the last `window` positions only (0: all of them).
+        softcap: cap the scaled scores by softcap * tanh(s / softcap) (0: none).
 
     Returns:
         [B, H, D] in q's dtype.
@@ -151,9 +162,10 @@ def paged_decode_attention(
     kernel[(bsz, n_kv)](
         q, k_cache, v_cache, block_tables, context_lens, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, block_size,
+        out.stride(0), out.stride(1), scale, block_size, window if window > 0 else 1 << 30, float(softcap or 1.0),
         G=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=dim, D_PAD=max(16, 1 << (dim - 1).bit_length()),
         BLOCK_N=block_n, F32_DOT=interp and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=bool(softcap), num_warps=4,
+        num_stages=2,
     )  # fmt: skip
     return out

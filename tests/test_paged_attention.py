@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 import triton  # noqa: F401 - imported before TRITON_INTERPRET is set (see test_w4a16_kernels.py)
 
 from quantserve.kernels.paged_attention import paged_decode_attention
@@ -16,20 +15,23 @@ def _interpreter(request, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0" if request.node.get_closest_marker("cuda") else "1")
 
 
-def reference(q, k_cache, v_cache, tables, lens, block_size, scale):
+def reference(q, k_cache, v_cache, tables, lens, block_size, scale, window=0, softcap=0.0):
+    """fp64: gather each sequence's last `window` (all) positions, cap the scaled scores, softmax, weight V."""
     out = []
     for b in range(q.shape[0]):
-        pos = torch.arange(int(lens[b]))
+        pos = torch.arange(max(0, int(lens[b]) - window) if window else 0, int(lens[b]))
         slots = tables[b, pos // block_size].long() * block_size + pos % block_size
-        k, v = k_cache[slots].double(), v_cache[slots].double()  # [C, KV, D]
-        o = F.scaled_dot_product_attention(
-            q[b, :, None].double(), k.transpose(0, 1), v.transpose(0, 1), scale=scale, enable_gqa=True
-        )  # [H, 1, D]
-        out.append(o[:, 0])
+        rep = q.shape[1] // k_cache.shape[1]
+        k = k_cache[slots].double().repeat_interleave(rep, 1)  # [C, H, D]
+        v = v_cache[slots].double().repeat_interleave(rep, 1)
+        s = torch.einsum("hd,chd->hc", q[b].double(), k) * scale
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        out.append(torch.einsum("hc,chd->hd", s.softmax(-1), v))
     return torch.stack(out)
 
 
-def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0):
+def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0, window=0, softcap=0.0):
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // block_size) for n in lens) + 1
     n_blocks = len(lens) * width + 3
@@ -42,8 +44,10 @@ def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0):
     )
     lens_t = torch.tensor(lens, dtype=torch.int32)
     args = (q, k_cache, v_cache, tables, lens_t, block_size, dim**-0.5)
-    ref = reference(*args)
-    out = paged_decode_attention(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+    ref = reference(*args, window=window, softcap=softcap)
+    out = paged_decode_attention(
+        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), window=window, softcap=softcap
+    )
     return out.cpu(), ref
 
 
@@ -73,6 +77,19 @@ def test_cuda_matches_gather_then_sdpa(dtype, lens, n_heads, n_kv, dim):
     out, ref = case("cuda", dtype, n_heads, n_kv, dim, lens)
     tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(6, 0.0), (50, 0.0), (0, 5.0), (20, 2.0)])
+def test_windows_and_soft_caps_match_the_reference(dtype, window, softcap):
+    """Gemma's windowed layers read only their last `window` positions (contexts shorter than the window, at it,
+    and many blocks past it), and Gemma 2's cap bounds the scores (caps small enough to bite)."""
+    out, ref = case("cpu", dtype, 8, 2, 64, [1, 6, 7, 100, 300], window=window, softcap=softcap)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+    if window:
+        plain, _ = case("cpu", dtype, 8, 2, 64, [1, 6, 7, 100, 300], softcap=softcap)
+        assert not torch.allclose(plain[3:].double(), ref[3:], atol=tol, rtol=tol)  # the window mattered
 
 
 def test_errors_name_the_shapes():

@@ -21,12 +21,16 @@ TINY = dict(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
     max_position_embeddings=256,
 )  # fmt: skip
+# Gemma 2: every other layer within 8 positions (the prompts run past it), attention scores capped
+GEMMA2 = {**TINY, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 64, "sliding_window": 8,
+          "query_pre_attn_scalar": 64, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0}  # fmt: skip
+CONFIGS = {"llama": TINY, "gemma2": GEMMA2}
 PROMPT_LENS = (5, 17, 9, 33, 12)
 BS = 16
 
 
-def tiny_model(dtype: torch.dtype, device: torch.device, int4: bool):
-    """A random Llama whose logits have wide margins (a large lm_head), so that greedy picks are clear-cut."""
+def tiny_model(dtype: torch.dtype, device: torch.device, int4: bool, config: dict = TINY):
+    """A random Llama (or `config`) whose logits have wide margins (a large lm_head): clear-cut greedy picks."""
     from quantserve.backends.torch.fuse import fuse_projections
     from quantserve.backends.torch.model import ModelArgs
     from quantserve.backends.torch.quant_linear import QuantLinear
@@ -34,7 +38,7 @@ def tiny_model(dtype: torch.dtype, device: torch.device, int4: bool):
     from quantserve.quant.rtn import quantize_rtn
 
     torch.manual_seed(0)
-    model = _empty_model(ModelArgs.from_hf_config(TINY), dtype, device)
+    model = _empty_model(ModelArgs.from_hf_config(config), dtype, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape) * (1.0 if "norm" in name else 0.5 if "lm_head" in name else 0.08))
@@ -130,9 +134,10 @@ def test_capture_sizes():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
 
 
-def test_static_buffers_give_the_eager_tokens(monkeypatch):
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_static_buffers_give_the_eager_tokens(arch, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    model = tiny_model(torch.float32, torch.device("cpu"), int4=False)
+    model = tiny_model(torch.float32, torch.device("cpu"), int4=False, config=CONFIGS[arch])
     want, want_logits, eager = decode_run(model, torch.device("cpu"), "gather")
     only_own_cells_written(eager, scratch_ok=False)  # now: the next runner gives the model its own cache
     got, got_logits, buffered = decode_run(model, torch.device("cpu"), "buffers")
@@ -146,10 +151,12 @@ def test_static_buffers_give_the_eager_tokens(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("int4", [False, True], ids=["fp16", "int4"])
 @pytest.mark.parametrize("mode", ["kernel", "graphs"])
-def test_cuda_decode_gives_the_gather_tokens(int4, mode):
-    """On CUDA: eager steps with the paged kernel, and captured graphs, against eager gather-then-SDPA steps."""
+@pytest.mark.parametrize("arch", CONFIGS)
+def test_cuda_decode_gives_the_gather_tokens(int4, mode, arch):
+    """On CUDA: eager steps with the paged kernel, and captured graphs, against eager gather-then-SDPA steps (a
+    Gemma 2 too: its windowed layers and capped scores in the kernel, so in the graphs)."""
     cuda = torch.device("cuda")
-    model = tiny_model(torch.float16, cuda, int4=int4)
+    model = tiny_model(torch.float16, cuda, int4=int4, config=CONFIGS[arch])
     want, want_logits, _ = decode_run(model, cuda, "gather")
     got, got_logits, runner = decode_run(model, cuda, mode)
     assert (runner.graphs is not None and len(runner.graphs.graphs) == 4) == (mode == "graphs")

@@ -37,10 +37,8 @@ CASES = {
          "rope_theta": 500000.0},
     ),
     "linear-rope": (transformers.LlamaConfig, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
-    "yarn-rope": (
-        transformers.LlamaConfig,
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
-    ),
+    "yarn-rope": (transformers.LlamaConfig, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                              "original_max_position_embeddings": 64}}),
     "mistral": (transformers.MistralConfig, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, {}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32}),
@@ -60,6 +58,9 @@ CASES = {
         "pad_token_id": 0, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.5,
         "rope_scaling": {"rope_type": "longrope", "long_factor": [1.0 + 0.3 * i for i in range(4)],
                          "short_factor": [1.0 + 0.05 * i for i in range(4)]}}),
+    "gemma2": (transformers.Gemma2Config, {"head_dim": 16, "sliding_window": 4, "attn_logit_softcapping": 1.0}),
+    "gemma3": (transformers.Gemma3TextConfig, {"head_dim": 16, "sliding_window": 4,
+                                               "layer_types": ["sliding_attention", "full_attention"]}),
 }  # fmt: skip
 
 
@@ -85,7 +86,8 @@ def tiny_pair(case: str, tmp_path) -> tuple[torch.nn.Module, Transformer]:
     # on disk (the hub's layout, which is what quantserve loads)
     from safetensors.torch import load_file
 
-    saved = {ours.args.our_name(k): v for k, v in load_file(tmp_path / "model.safetensors").items()}
+    files, off = load_file(tmp_path / "model.safetensors"), ours.args.norm_offset  # Gemma's 1 + w, as at load
+    saved = {ours.args.our_name(k): v + off * k.endswith("norm.weight") for k, v in files.items()}
     if "lm_head.weight" not in saved:
         saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
     ours.load_state_dict(saved, strict=True)
@@ -125,7 +127,9 @@ def attach_cache(model: Transformer, num_blocks: int, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("paged_kernel", [False, True], ids=["gather", "kernel"])
-@pytest.mark.parametrize("case", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "phi3", "phi4-mini"])
+@pytest.mark.parametrize(
+    "case", ["llama", "qwen2", "qwen3", "qwen3-moe", "mixtral", "phi3", "phi4-mini", "gemma2", "gemma3"]
+)
 def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monkeypatch):
     """Three sequences in scattered blocks: one prefilled in two chunks (the second after 8 cached tokens, in the
     same step as two decodes), the others prefilled together in one padded call, then decoded together. The
@@ -136,7 +140,7 @@ def test_paged_forward_equals_whole_sequence(case, paged_kernel, tmp_path, monke
     _, ours = tiny_pair(case, tmp_path)
     ours.use_fused_kernels(
         paged_kernel
-    )  # with the kernel: the fused norm, rotary + KV write and silu kernels too
+    )  # with the kernel: the fused norm, rotary + KV write and silu kernels
     bs = 4
     attach_cache(ours, num_blocks=32, block_size=bs)
     g = torch.Generator().manual_seed(2)

@@ -22,7 +22,7 @@ from torch import nn
 from quantserve.backends.torch.args import ModelArgs
 from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
-from quantserve.backends.torch.step import StepBatch
+from quantserve.backends.torch.step import DecodeBatch, StepBatch
 from quantserve.kernels import fused
 from quantserve.kernels.paged_attention import paged_decode_attention
 
@@ -143,6 +143,15 @@ class Attention(nn.Module):
             out = self._paged(q, step)
         return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
 
+    def _decode_kernel(self, q: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
+        """The paged Triton kernel over the decoding sequences' block tables (this layer's window and cap)."""
+        cache = self.cache
+        assert cache is not None
+        return paged_decode_attention(
+            q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.scale,
+            window=self.window, softcap=self.softcap,
+        )  # fmt: skip
+
     def _paged(self, q: torch.Tensor, step: StepBatch) -> torch.Tensor:
         """q [T, H, D] (the new K/V already in their cells): attend over each sequence's context, one call for
         the decoding sequences, one for the prefilling ones (all indices prepared once per step)."""
@@ -150,20 +159,10 @@ class Attention(nn.Module):
         assert cache is not None
         d = step.decode
         if d is not None and d.kv_cells is None and step.prefill is None:  # all tokens decode, in order
-            return paged_decode_attention(
-                q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.scale
-            )
+            return self._decode_kernel(q, d)
         out = torch.empty_like(q)
         if d is not None and d.kv_cells is None:
-            out[d.q_index] = paged_decode_attention(
-                q[d.q_index],
-                cache.k,
-                cache.v,
-                d.block_tables,
-                d.context_lens,
-                d.block_size,
-                self.scale,
-            )
+            out[d.q_index] = self._decode_kernel(q[d.q_index], d)
         elif d is not None:
             keys = cache.k[d.kv_cells].transpose(1, 2)  # [B, KV, C, D]
             vals = cache.v[d.kv_cells].transpose(1, 2)

@@ -118,14 +118,7 @@ class TorchRunner:
         model.use_fused_kernels(
             triton
         )  # the norms, rotary + KV write and silu * up: windows change none of them
-        # a window as long as the context changes nothing
-        windowed = any(0 < w < self.n_ctx for w in model.args.layer_windows)
-        self.paged_kernel = triton and not (windowed or model.args.attn_softcap)
-        if triton and not self.paged_kernel:
-            # the kernel knows neither windows nor capped scores: such a model gathers its context (no graphs)
-            log.info(
-                "windowed or soft-capped attention: decode attends through gathered cells, without graphs"
-            )
+        self.paged_kernel = triton  # windows and soft caps included (each layer passes its own)
         a = model.args
         # One block more than the ledger hands out: the scratch block that unused CUDA-graph rows write to.
         for layer in model.model.layers:
