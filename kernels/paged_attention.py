@@ -72,7 +72,9 @@ def _paged_decode(
             k, v = k.to(tl.float32), v.to(tl.float32)
         # scores [G_PAD, BLOCK_N]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=tl.float32) * scale
-        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 / (1 + e^-2x) - 1 (no tanh among the interpreter's builtins)
+        if (
+            SOFTCAP
+        ):  # cap * tanh(s / cap), tanh(x) = 2 / (1 + e^-2x) - 1 (no tanh among the interpreter's builtins)
             s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
