@@ -19,7 +19,8 @@ The x86 flags `-mno-amx-tile -mno-amx-int8 -mno-amx-bf16` go only to x86-64 Linu
 machines advertise AMX but fault on its instructions (SIGILL at tilezero on any batch over one token), and
 GGML_NATIVE would otherwise compile them in. Apple's clang rejects them for arm64 targets (they are x86 options),
 so a Mac never gets them, nor does any arm64 machine. Every build is native (-DGGML_NATIVE=ON: the CPU code is
-tuned to the build machine, as pip builds from source are used on the machine itself).
+tuned to the build machine, as pip builds from source are used on the machine itself), and has llama.cpp's RPC
+backend (-DGGML_RPC=ON), for `quantserve rpc-worker` and `run --rpc`.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def cmake_args(
         raise ValueError(
             f"LLAMA_BACKEND={backend!r}: choose one of {', '.join(BACKENDS)} (or leave it unset)"
         )
-    args = ["-DGGML_NATIVE=ON"]
+    # RPC: `quantserve rpc-worker` serves this machine's devices to others, `run --rpc` uses theirs (a small backend)
+    args = ["-DGGML_NATIVE=ON", "-DGGML_RPC=ON"]
     if system == "Linux" and x86:
         args += [f"-DCMAKE_C_FLAGS='{NO_AMX}'", f"-DCMAKE_CXX_FLAGS='{NO_AMX}'"]
     if backend == "metal":

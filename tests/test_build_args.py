@@ -54,14 +54,14 @@ def llama_args(tmp: Path, system: str, machine: str, nvcc: str | None = None, gp
 @pytest.mark.parametrize(
     "system,machine,nvcc,gpu,want",
     [
-        ("Linux", "x86_64", None, False, f"-DGGML_NATIVE=ON {NO_AMX}"),  # these machines: as before
-        ("Linux", "x86_64", "13.0", False, f"-DGGML_NATIVE=ON {NO_AMX}"),  # a toolkit but no card (CI)
+        ("Linux", "x86_64", None, False, f"-DGGML_NATIVE=ON -DGGML_RPC=ON {NO_AMX}"),  # these machines: as before
+        ("Linux", "x86_64", "13.0", False, f"-DGGML_NATIVE=ON -DGGML_RPC=ON {NO_AMX}"),  # a toolkit but no card (CI)
         ("Linux", "x86_64", "12.4", True,
-         f"-DGGML_NATIVE=ON {NO_AMX} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES='native'"),
-        ("Darwin", "arm64", None, False, "-DGGML_NATIVE=ON -DGGML_METAL=on"),  # a Mac laptop: no x86 flags
-        ("Linux", "aarch64", None, False, "-DGGML_NATIVE=ON"),
-        ("Linux", "aarch64", "12.6", True, "-DGGML_NATIVE=ON -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES='native'"),
-        ("Darwin", "x86_64", None, False, "-DGGML_NATIVE=ON -DGGML_METAL=off"),  # an Intel Mac: CPU
+         f"-DGGML_NATIVE=ON -DGGML_RPC=ON {NO_AMX} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES='native'"),
+        ("Darwin", "arm64", None, False, "-DGGML_NATIVE=ON -DGGML_RPC=ON -DGGML_METAL=on"),  # a Mac laptop: no x86 flags
+        ("Linux", "aarch64", None, False, "-DGGML_NATIVE=ON -DGGML_RPC=ON"),
+        ("Linux", "aarch64", "12.6", True, "-DGGML_NATIVE=ON -DGGML_RPC=ON -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES='native'"),
+        ("Darwin", "x86_64", None, False, "-DGGML_NATIVE=ON -DGGML_RPC=ON -DGGML_METAL=off"),  # an Intel Mac: CPU
     ],
 )  # fmt: skip
 def test_each_platform_gets_its_backend(tmp_path, system, machine, nvcc, gpu, want):
@@ -76,7 +76,7 @@ def test_forcing_a_backend(tmp_path):
     )  # no card: a list, with Blackwell
     assert (
         cuda.stdout.strip()
-        == f"-DGGML_NATIVE=ON {NO_AMX} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES='75;80;86;89;90;120'"
+        == f"-DGGML_NATIVE=ON -DGGML_RPC=ON {NO_AMX} -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES='75;80;86;89;90;120'"
     )
     (tmp_path / "old").mkdir()
     old = llama_args(tmp_path / "old", "Linux", "x86_64", "12.4", LLAMA_BACKEND="cuda")
@@ -87,7 +87,7 @@ def test_forcing_a_backend(tmp_path):
         .endswith("-DGGML_VULKAN=on")
     )
     assert llama_args(tmp_path, "Darwin", "arm64", LLAMA_BACKEND="cpu").stdout.strip() == (
-        "-DGGML_NATIVE=ON -DGGML_METAL=off"
+        "-DGGML_NATIVE=ON -DGGML_RPC=ON -DGGML_METAL=off"
     )
     own = llama_args(tmp_path, "Darwin", "arm64", LLAMA_CMAKE_ARGS="-DGGML_METAL=on -DGGML_BLAS=off")
     assert own.stdout.strip() == "-DGGML_METAL=on -DGGML_BLAS=off"
@@ -115,4 +115,4 @@ def test_this_machine_builds_as_before():
         capture_output=True,
         text=True,
     )
-    assert out.stdout.strip() == f"-DGGML_NATIVE=ON {NO_AMX}"
+    assert out.stdout.strip() == f"-DGGML_NATIVE=ON -DGGML_RPC=ON {NO_AMX}"

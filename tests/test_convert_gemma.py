@@ -197,6 +197,29 @@ def test_quantserve_run_serves_a_gptq_gemma3_via_the_cpu_route(checkpoints, tmp_
     assert "after dequantization and conversion to GGUF" in srv.log()
 
 
+def test_what_llama_cpp_runs_by_default_is_read_as_it_runs_it():
+    """A gemma2 GGUF without a window key runs llama.cpp's 4096 on every other layer, and GGUF -> HF says so; a
+    Gemma 3 whose every layer is global (sliding_window_pattern 1) converts, as llama.cpp writes and runs no
+    window for it."""
+    from quantserve.gguf.archs import archs
+    from quantserve.gguf.params import conversion_refusal
+
+    sizes = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16}
+    config = archs()["gemma2"].gguf_config({}, sizes)
+    assert config["sliding_window"] == 4096 and config["layer_types"][:2] == [
+        "sliding_attention",
+        "full_attention",
+    ]
+    gemma3 = {
+        **sizes,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "query_pre_attn_scalar": 16,
+    }
+    assert conversion_refusal({**gemma3, "sliding_window_pattern": 1}) is None
+    assert "every 6th layer global" in conversion_refusal({**gemma3, "sliding_window_pattern": 2})
+
+
 def _logits(runner, tokens: list[int], computed: int) -> np.ndarray:
     """The last position's logits for `tokens` in slot 0, whose first `computed` are taken as in its KV (prefill
     in chunks of 16, as the engine's n_batch)."""

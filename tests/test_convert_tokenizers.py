@@ -98,6 +98,21 @@ def test_rebuilt_tokenizer_matches_llama_cpp_and_converts_back(name, tmp_path):
             )
 
 
+def test_a_sentencepiece_vocab_is_padded_to_the_embeddings_rows(tmp_path):
+    """llama.cpp needs a token per embedding row: a SentencePiece-style tokenizer.json with fewer pieces than
+    config.json's vocab_size (Gemma 3's 262208 rows) gets unused [PADi] tokens, as _create_vocab_sentencepiece
+    pads its list."""
+    path = _vocab("llama-spm")
+    md = read_gguf_info(path).metadata
+    tokenizer_from_gguf(md).save(tmp_path)
+    n = len(md["tokenizer.ggml.tokens"])
+    back = vocab_from_hf(tmp_path, {"vocab_size": n + 3})
+    assert back.tokens[:n] == md["tokenizer.ggml.tokens"] and back.tokens[n:] == [
+        f"[PAD{n + i}]" for i in range(3)
+    ]
+    assert back.token_types[n:] == [5, 5, 5] and len(back.scores) == n + 3
+
+
 def test_pre_tokenizer_found_by_hash(smollm2_gguf, tmp_path):
     md = read_gguf_info(smollm2_gguf).metadata
     hf = tokenizer_from_gguf(md)

@@ -252,6 +252,18 @@ def test_slot_prefix_cache_with_a_window_reuses_only_what_the_windowed_layers_ke
     s = seq(turn[:15] + [7, 7, 7])
     full.allocate(s)
     assert s.num_computed == 15
+    pool = SlotKV(
+        2, 512, shared=True, prefix_caching=True, window=8
+    )  # the unified pool: others take cells too
+    after(pool, turn, 20)
+    same = seq(turn)  # n = 19 = the last computed position: its key 12 may be gone in a shared pool
+    pool.allocate(same)
+    assert same.num_computed == 0
+    pool.deallocate(same)
+    after(pool, turn, 20)
+    s = seq(turn + [100])
+    pool.allocate(s)
+    assert s.num_computed == 20
     copies = SlotKV(2, 512, shared=False, prefix_caching=True, window=8)
     running = seq(turn + [50] * 40)
     copies.allocate(running)

@@ -16,6 +16,7 @@ from quantserve.converters.calibration.layers import (
     linear_fn,
     scale_searcher,
 )
+from quantserve.errors import ConfigError
 
 
 def _fold(prev: torch.Tensor, rows: int, linear: torch.Tensor, s: torch.Tensor) -> None:
@@ -32,6 +33,8 @@ def awq_scale_fused_block(block: TransformerBlock, hidden, rope, opt: QuantizeOp
     """The four scales, searched and folded into the block in place (its function is unchanged until the weights
     are rounded). Returns, per linear, (its captured input, the scale that input is now divided by, or None)."""
     attn, mlp = block.self_attn, block.mlp
+    if attn.qkv_proj.bias is not None:  # v's bias would have to be divided too (Phi-3/4 have none)
+        raise ConfigError("awq on a fused q|k|v with a bias is not supported; use --quant gptq or rtn")
     feats: dict[str, list[torch.Tensor]] = {}
     capture(
         block, hidden, rope, FUSED_LINEARS, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size

@@ -38,7 +38,8 @@ SAME_INPUT = {
     "self_attn.v_proj": "self_attn.q_proj",
     "mlp.up_proj": "mlp.gate_proj",
 }
-# AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax (nor Phi-3's fused q|k|v).
+# AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax. Phi-3's fused q|k|v is
+# left unclipped for the same reason (AutoAWQ's name filter misses `qkv_proj` and clips it).
 AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj")
 EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 # Phi-3's checkpoint fuses q|k|v and gate|up: four linears, each its own sequential group

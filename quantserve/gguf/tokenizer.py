@@ -103,8 +103,10 @@ def _bpe_tokens(tok: Tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
 
 
 def _spm_tokens(
-    tok: Tokenizer, model: Mapping[str, Any], unk: str | None
+    tok: Tokenizer, model: Mapping[str, Any], unk: str | None, vocab_size: int = 0
 ) -> tuple[list[str], list[int], list[float]]:
+    """Pieces, types and scores by id, padded with unused `[PADi]` to the embedding's `vocab_size` (llama.cpp
+    needs a token per row; _create_vocab_sentencepiece pads the same way)."""
     reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     added = tok.get_added_tokens_decoder()
     rank: dict[str, int] = {}
@@ -112,7 +114,7 @@ def _spm_tokens(
         a, b = m if isinstance(m, list) else m.split(" ", 1)
         rank.setdefault(a + b, r)
     tokens, types, scores = [], [], []
-    for i in range(max(reverse) + 1):
+    for i in range(max(max(reverse) + 1, vocab_size)):
         t = reverse.get(i, f"[PAD{i}]")
         tokens.append(t)
         scores.append(-float(rank.get(t, 0)))  # earlier merge = higher score, as SentencePiece ranks pieces
@@ -157,7 +159,7 @@ def vocab_from_hf(directory: Path, hparams: Mapping[str, Any]) -> GGUFVocab:
     add_space = tokenizer_config.get("add_prefix_space")
     if model.get("byte_fallback"):
         unk = model.get("unk_token")
-        tokens, types, scores = _spm_tokens(tok, model, unk)
+        tokens, types, scores = _spm_tokens(tok, model, unk, hparams.get("vocab_size") or 0)
         prepend = "Prepend" in json.dumps((json.loads(tok.to_str()).get("normalizer")) or {})
         special = gguf.SpecialVocab(directory, n_vocab=len(tokens))
         return GGUFVocab("llama", "default", tokens, types, scores, special, prepend)

@@ -22,11 +22,14 @@ higher slot wins only if its cached prefix saves PACK_MIN_PREFIX_GAIN more token
 their template's head and pack; a long conversation still gets its own slot back.
 
 With a `window` (llama.cpp's sliding-window layers when swa_full is off), a slot's windowed layers keep only the
-last `window` positions of what it computed: having computed positions 0..P, they dropped every position up to
-P - window. A sequence resuming after a prefix of n tokens attends, in those layers, to positions n - window + 1
-.. n, so the prefix is reusable only if n >= P (it continues everything the slot computed: a chat's next turn) or
-nothing was dropped yet (P < window). Any other match is recomputed from 0, as llama-server does without its
-checkpoints.
+last `window` positions of what it computed: llama.cpp may give a cell of position p to a new token once p <=
+P + 1 - window (src/llama-kv-cache.cpp, is_masked_swa against the sequence's next position). With per-sequence
+streams only the slot's own tokens take its cells, so after computing 0..P it has lost at most positions up to
+P - window; in the unified pool any sequence's token may take them, up to P + 1 - window. A sequence resuming after
+a prefix of n tokens attends, in those layers, to positions n - window + 1 .. n, so the prefix is reusable only if
+it continues everything the slot computed (n >= P, or n > P in the unified pool: a chat's next turn) or nothing
+can be lost yet (P < window, P + 1 < window). Any other match is recomputed from 0, as llama-server does without
+its checkpoints.
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ class SlotKV:
             return lowest, 0
 
         def reusable(slot: int) -> int:
-            return _reusable(seq, self.slot_tokens.get(slot, []), self.window)
+            return _reusable(seq, self.slot_tokens.get(slot, []), self.window, self.shared)
 
         # Ties: an empty slot before a cached one, then the oldest cache (kept newest-last), then the lowest slot.
         age = {slot: i for i, slot in enumerate(self.slot_tokens)}
@@ -170,15 +173,15 @@ class SlotKV:
         held = {s: t for s, t in self.slot_tokens.items() if s != slot}
         held.update({s: r.cache_tokens[: r.num_computed] for s, r in self._running.items() if s != slot})
         best = max(held, key=lambda s: (_reusable(seq, held[s], self.window), -s), default=slot)
-        return best, _reusable(seq, held[best], self.window) if best != slot else 0
+        return best, _reusable(seq, held[best], self.window) if best != slot else 0  # (streams only)
 
 
-def _reusable(seq: Sequence, held: list[int], window: int = 0) -> int:
+def _reusable(seq: Sequence, held: list[int], window: int = 0, shared: bool = False) -> int:
     """How many of `held`'s tokens `seq` can reuse: their common prefix, never seq's last token (its logits are
     needed), never ending inside an image (libmtmd evaluates an image whole), and with a `window`, none unless
     the windowed layers still hold what the prefix needs (see the module docstring)."""
     keys = seq.cache_tokens
     n = min(common_prefix_len(held, keys), len(keys) - 1)
     n = next((s.offset for s in seq.images if s.offset < n < s.end), n)
-    last = len(held) - 1  # the last position the slot computed
+    last = len(held) - 1 + shared  # the last position the slot computed, one more where others take its cells
     return n if not window or last < window or n >= last else 0

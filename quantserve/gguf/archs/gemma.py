@@ -63,6 +63,8 @@ def _check(hp: Mapping[str, Any], arch: str) -> None:
         )
     period = _PERIOD[arch]
     windows = layer_windows({**hp, "architectures": [_ARCH_NAMES[arch]]})
+    if arch == "gemma3" and hp.get("sliding_window_pattern") == 1 and not any(windows):
+        return  # every layer global: llama.cpp's converter then writes no window, and runs none
     theirs = tuple(0 if (i + 1) % period == 0 else hp["sliding_window"] for i in range(n_layer))
     if windows and windows != theirs:
         raise UnsupportedFormatError(
@@ -114,6 +116,8 @@ def _gemma3_rows(model_dir: Path) -> int | None:
 def _gguf_config(md: Mapping[str, Any], config: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """config.json's Gemma fields from a gemma2/gemma3 GGUF, with each layer's type spelled out."""
     n_layer, window = config["num_hidden_layers"], md.get(f"{arch}.attention.sliding_window")
+    if arch == "gemma2" and window is None:
+        window = 4096  # what llama.cpp's gemma2 runs without the key (src/models/gemma2.cpp)
     scale_dim = config["hidden_size"] // config["num_attention_heads"]
     head_dim = config.get("head_dim", scale_dim)
     period = _PERIOD[arch] if window else 1
@@ -130,17 +134,10 @@ def _gguf_config(md: Mapping[str, Any], config: Mapping[str, Any], arch: str) ->
         "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
         "attention_bias": False,
     }
-    if arch == "gemma3":
-        full = {"rope_type": "default", "rope_theta": config["rope_theta"]}
-        if (scaling := config.get("rope_scaling")) is not None:
-            full = {**full, **scaling}
-        local = md.get("gemma3.rope.freq_base_swa", 10000.0)
-        out |= {
-            "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default",
-                                                                               "rope_theta": local}},
-            "rope_theta": None,
-            "rope_scaling": None,
-        }  # fmt: skip
+    if (
+        arch == "gemma3"
+    ):  # beside rope_theta / rope_scaling (the global layers'), which transformers 4 and 5 read
+        out["rope_local_base_freq"] = md.get("gemma3.rope.freq_base_swa", 10000.0)
     return out
 
 
