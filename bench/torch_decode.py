@@ -46,7 +46,16 @@ QWEN3_30B_A3B = dict(
     rope_theta=1000000.0,
     max_position_embeddings=40960,
 )  # fmt: skip (Qwen/Qwen3-30B-A3B config.json)
-SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Gemma-3-12B-shaped (hidden 3840, 48 layers of 16 heads over 8 KV heads of 256, five layers of six within 1024
+# tokens, q/k norms, local rope 10k, global 1M scaled x8): its windowed layers read 1024 of the context
+GEMMA3_12B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=3840,
+    intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+    query_pre_attn_scalar=256, sliding_window=1024, rms_norm_eps=1e-6, max_position_embeddings=131072,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+)  # fmt: skip
+SHAPES = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "gemma3-12b": GEMMA3_12B}
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -168,9 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     cfg, dtype = (TINY, torch.float32) if smoke else (SHAPES[args.shape], torch.float16)
-    if smoke and args.shape != "llama3-8b":  # the MoE's tiny twin
+    if smoke and args.shape == "qwen3-30b-a3b":  # the MoE's tiny twin
         cfg = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_experts=8,
                    num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    if smoke and args.shape == "gemma3-12b":  # Gemma's, with a window shorter than the context
+        cfg = dict(GEMMA3_12B, vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=16)  # fmt: skip
     if args.layers or smoke:
         cfg = dict(cfg, num_hidden_layers=args.layers or 2)
     batches = [int(b) for b in args.batches.split(",")]

@@ -28,7 +28,16 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(smollm2_hf, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     steps = {s["step"]: s for s in results["steps"]}
-    assert list(steps) == ["env", "cuda-tests", "gemm", "decode", "serve", "moe-layer", "moe-decode"]
+    assert list(steps) == [
+        "env",
+        "cuda-tests",
+        "gemm",
+        "decode",
+        "serve",
+        "moe-layer",
+        "moe-decode",
+        "gemma-decode",
+    ]
     assert all(s["ok"] for s in steps.values())
     tests = steps["cuda-tests"]["result"]
     assert (
@@ -40,6 +49,7 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(smollm2_hf, tmp_path):
     assert serve["paris"] and [b["concurrency"] for b in serve["bench"]] == [1, 8]
     assert all(r["grouped int4"]["rel_err"] < 2e-3 for r in steps["moe-layer"]["result"]["rows"])
     assert {r["weights"] for r in steps["moe-decode"]["result"]["rows"]} == {"int4", "float32"}
+    assert {r["weights"] for r in steps["gemma-decode"]["result"]["rows"]} == {"int4", "float32"}
     report = (out / "report.md").read_text()
     for heading in ("| env | ok", "## CUDA tests", "## Decode", "## Serving smoke test", "(answered)", "## MoE layer",
                     "## MoE decode"):  # fmt: skip

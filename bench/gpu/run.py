@@ -70,6 +70,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     decode = [py, str(ROOT / "bench/torch_decode.py")]
     moe = [py, str(ROOT / "bench/moe_gemm.py")]
     moe_decode = decode + ["--shape", "qwen3-30b-a3b"]
+    gemma_decode = decode + ["--shape", "gemma3-12b"]
     env = Step("env", [py, str(ROOT / "bench/gpu/env_info.py"), str(out / "env.json")], 30, "env.json")
     if smoke:
         # On the CPU every `cuda` test skips: this proves the files collect without a GPU or llama.cpp.
@@ -100,6 +101,14 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                 240,
                 "moe-decode.json",
             ),  # fmt: skip
+            Step(
+                "gemma-decode",
+                gemma_decode
+                + ["--cpu-smoke", "--batches", "1,4", "--ctx", "40", "--steps", "3", "--warmup", "1", "--out"]
+                + [str(out / "gemma-decode.json")],
+                240,
+                "gemma-decode.json",
+            ),  # fmt: skip
         ]
     # The numbers first: a step that overruns only cuts what comes after it.
     return [
@@ -121,6 +130,24 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
             moe_decode + ["--layers", "12", "--batches", "1,16,64", "--out", str(out / "moe-decode.json")],
             120,
             "moe-decode.json",
+        ),
+        # Gemma 3: its windowed layers in the paged kernel and CUDA graphs, at a context past the window (12 of
+        # its 48 layers)
+        Step(
+            "gemma-decode",
+            gemma_decode
+            + [
+                "--layers",
+                "12",
+                "--ctx",
+                "2048",
+                "--batches",
+                "1,16,64",
+                "--out",
+                str(out / "gemma-decode.json"),
+            ],
+            120,
+            "gemma-decode.json",
         ),
         Step("serve", serve, 60, "serve.json"),
         # last, with what time is left: launch configs around the heuristic on the large shapes
