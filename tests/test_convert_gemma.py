@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from quantserve.converters import gguf_to_hf, hf_to_gguf
-from quantserve.errors import UnsupportedFormatError
+from quantserve.errors import ModelFileError, UnsupportedFormatError
 from quantserve.formats import read_gguf_info
 from tests.conftest import run_python
 from tests.test_convert_hf_to_gguf import IDS, _weights, llama_logits, tensor_bytes
@@ -195,6 +195,80 @@ def test_quantserve_run_serves_a_gptq_gemma3_via_the_cpu_route(checkpoints, tmp_
     srv = start_server(tmp_path, str(q), "--no-cache", "--cache-dir", str(tmp_path / "c"))
     ask_openai(srv)
     assert "after dequantization and conversion to GGUF" in srv.log()
+
+
+@pytest.fixture(scope="module")
+def spm_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Both families with a SentencePiece tokenizer.model (BPE with byte fallback, trained here on the calibration
+    text) as real Gemma checkpoints ship it, 400 pieces under 408 embedding rows, special and added tokens."""
+    spm = pytest.importorskip("sentencepiece")
+    from importlib import resources
+
+    tmp = tmp_path_factory.mktemp("spm")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text(
+        (resources.files("quantserve") / "data" / "calib.txt").read_text(encoding="utf-8")[:200_000]
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp / "sp"), vocab_size=400, model_type="bpe", byte_fallback=True,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], pad_id=0, eos_id=1, bos_id=2, unk_id=3,
+        minloglevel=2, num_threads=1,
+    )  # fmt: skip
+    config = {"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+              "unk_token": "<unk>", "chat_template": "{% for m in messages %}<start_of_turn>{{ m['content'] }}{% endfor %}",
+              "added_tokens_decoder": {"4": {"content": "<start_of_turn>", "special": True},
+                                       "5": {"content": "<end_of_turn>", "special": True}}}  # fmt: skip
+    out = {}
+    for name, (model_cls, config_cls, extra) in FAMILIES.items():
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**{**SIZES, "vocab_size": 408}, **extra))
+        with torch.no_grad():
+            for key, p in model.named_parameters():
+                p.normal_(0, 0.3 if key.endswith("norm.weight") else 0.1)
+        d = out[name] = tmp / name
+        model.to(torch.bfloat16).save_pretrained(d)
+        shutil.copy(tmp / "sp.model", d / "tokenizer.model")
+        (d / "tokenizer_config.json").write_text(json.dumps(config))
+        (d / "added_tokens.json").write_text(json.dumps({"<extra>": 401}))
+    return out
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_sentencepiece_tokenizer_model_converts_as_llama_cpp_converts_it(
+    name, vendored, spm_checkpoints, tmp_path
+):
+    """With tokenizer.model (what llama.cpp's Gemma converters read, with the sentencepiece library; quantserve
+    parses the protobuf itself): every key, in order, and every tensor byte equal convert_hf_to_gguf.py's, the
+    vocab padded to the embedding's rows; llama.cpp runs the file as transformers runs the checkpoint."""
+    import llama_cpp
+
+    src = spm_checkpoints[name]
+    oracle = tmp_path / "oracle.gguf"
+    run_python(
+        [vendored / "convert_hf_to_gguf.py", src, "--outfile", oracle, "--outtype", "f16"], tmp_path, tmp_path
+    )
+    ours = hf_to_gguf(src, tmp_path / "ours.gguf", "f16", progress=False)
+    kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracle).metadata
+    assert list(kv.items()) == list(ref.items())
+    assert list(tensor_bytes(ours).items()) == list(tensor_bytes(oracle).items())
+    tokens, types = kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"]
+    assert len(tokens) == 408 and tokens[404:] == [f"[PAD{i}]" for i in range(404, 408)]
+    assert (types[4], types[401], tokens[401], types[10]) == (3, 4, "<extra>", 6)  # control, added, a byte
+    ids = [2, 17, 90, 150, 211, 300, 399, 42]
+    llm = llama_cpp.Llama(str(ours), n_ctx=64, flash_attn=False, n_threads=1, verbose=False, logits_all=True)
+    llm.eval(ids)
+    got, want = np.asarray(llm.scores[: len(ids)]), hf_logits(src, ids)
+    assert (
+        np.abs(got - want).mean() / np.abs(want).mean() < 5e-3 and (got.argmax(-1) == want.argmax(-1)).all()
+    )
+
+
+def test_a_malformed_tokenizer_model_is_refused_by_name(spm_checkpoints, tmp_path):
+    src = Path(shutil.copytree(spm_checkpoints["gemma3"], tmp_path / "bad"))
+    (src / "tokenizer.model").write_bytes((src / "tokenizer.model").read_bytes()[:1000])
+    with pytest.raises(ModelFileError, match="tokenizer.model.*not a SentencePiece model"):
+        hf_to_gguf(src, tmp_path / "m.gguf", "f16", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_what_llama_cpp_runs_by_default_is_read_as_it_runs_it():

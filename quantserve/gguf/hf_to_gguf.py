@@ -80,7 +80,9 @@ def hf_to_gguf(
     hp = normalize_hparams(spec_model.config)
     if arch.check is not None:
         arch.check(hp)
-    vocab = vocab_from_hf(spec_model.directory, hp)
+    vocab = (arch.vocab(spec_model.directory, hp) if arch.vocab else None) or vocab_from_hf(
+        spec_model.directory, hp
+    )
     source = SafetensorsSource(spec_model)
     native = target.direct is None or imatrix is not None
     first = QUANTS[_INTERMEDIATE[spec_model.quant["dtype"]]] if native else target

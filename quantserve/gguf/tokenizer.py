@@ -39,9 +39,12 @@ class GGUFVocab:
     scores: list[float] | None
     special: gguf.SpecialVocab
     add_space_prefix: bool | None
+    # written after the tokens and special ids, as Gemma's set_vocab adds it (its own key, whatever the arch);
+    # else before them, where LlamaModel's set_vocab reads it from tokenizer_config.json
+    space_prefix_last: bool = False
 
     def add_to(self, writer: gguf.GGUFWriter) -> None:
-        if self.add_space_prefix is not None:
+        if self.add_space_prefix is not None and not self.space_prefix_last:
             writer.add_add_space_prefix(self.add_space_prefix)
         writer.add_tokenizer_model(self.model)
         writer.add_tokenizer_pre(self.pre)
@@ -50,9 +53,11 @@ class GGUFVocab:
             writer.add_token_scores(self.scores)
         writer.add_token_types(self.token_types)
         self.special.add_to_gguf(writer, quiet=True)
+        if self.add_space_prefix is not None and self.space_prefix_last:
+            writer.add_add_space_prefix(self.add_space_prefix)
 
 
-def _looks_special(token: str) -> bool:
+def looks_special(token: str) -> bool:
     # convert_hf_to_gguf.py does_token_look_special: added tokens some models forgot to mark special
     return (
         token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
@@ -91,7 +96,7 @@ def _bpe_tokens(tok: Tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
         if i in added:
             if not added[i].normalized:  # llama.cpp assumes added tokens arrive pre-normalized
                 token = tok.decode(tok.encode(token, add_special_tokens=False).ids, skip_special_tokens=False)
-            if added[i].special or _looks_special(token):
+            if added[i].special or looks_special(token):
                 types.append(CONTROL)
             else:
                 token = token.replace("▁", " ")

@@ -216,7 +216,7 @@ def write_gguf(
     _metadata(writer, model_dir).set_gguf_meta_model(writer)
     add_arch_params(writer, spec, hp, int(target.ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    if not spec.llama_kv:  # only LlamaModel.set_vocab writes tokenizer_config's add_prefix_space
+    if not spec.llama_kv and not vocab.space_prefix_last:  # only LlamaModel reads tokenizer_config's own
         vocab = replace(vocab, add_space_prefix=None)
     vocab.add_to(writer)
     bos_key = gguf.Keys.Tokenizer.ADD_BOS

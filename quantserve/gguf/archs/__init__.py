@@ -106,6 +106,8 @@ class ArchSpec:
     gguf_config: this arch's own config.json fields, written last by GGUF -> HF.
     check: the normalised config.json -> raises UnsupportedFormatError where llama.cpp would run this checkpoint
         as a different model (before anything is written, and for `--backend auto`).
+    vocab: (the model directory, the normalised config.json) -> this arch's own GGUFVocab (Gemma's from a
+        SentencePiece tokenizer.model), or None for the one read from tokenizer.json.
     """
 
     gguf_arch: str
@@ -128,6 +130,7 @@ class ArchSpec:
     vocab_rows: Callable[[Path], int | None] | None = None
     gguf_config: GGUFConfig | None = None
     check: Callable[[Mapping[str, Any]], None] | None = None
+    vocab: Callable[[Path, Mapping[str, Any]], Any] | None = None
 
     @property
     def name(self) -> str:

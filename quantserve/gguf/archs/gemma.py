@@ -113,6 +113,17 @@ def _gemma3_rows(model_dir: Path) -> int | None:
         ) from None
 
 
+def _vocab(directory: Path, hp: Mapping[str, Any]) -> Any:
+    """With a tokenizer.model, the SentencePiece vocab llama.cpp's Gemma converters write from it (and
+    add_space_prefix false after it); without one, None: tokenizer.json's (llama.cpp's Gemma 3 reads its byte-level
+    BPE; its Gemma 2 needs tokenizer.model)."""
+    if not (directory / "tokenizer.model").is_file():
+        return None
+    from quantserve.gguf.spm import spm_vocab
+
+    return spm_vocab(directory, hp, space_prefix=False)
+
+
 def _gguf_config(md: Mapping[str, Any], config: Mapping[str, Any], arch: str) -> dict[str, Any]:
     """config.json's Gemma fields from a gemma2/gemma3 GGUF, with each layer's type spelled out."""
     n_layer, window = config["num_hidden_layers"], md.get(f"{arch}.attention.sliding_window")
@@ -154,6 +165,7 @@ GEMMA2 = ArchSpec(
     norm_shift=1.0,
     skip_tensors=("lm_head.weight",),
     gguf_config=lambda md, config: _gguf_config(md, config, "gemma2"),
+    vocab=_vocab,
     torch=True,
 )
 GEMMA3 = ArchSpec(
@@ -167,5 +179,6 @@ GEMMA3 = ArchSpec(
     norm_shift=1.0,
     vocab_rows=_gemma3_rows,
     gguf_config=lambda md, config: _gguf_config(md, config, "gemma3"),
+    vocab=_vocab,
     torch=True,
 )
