@@ -91,3 +91,49 @@ def test_a_checkpoint_with_one_tensor_under_two_names_is_refused(tmp_path):
                "model.layers.0.mlp.experts.0.gate_proj.weight": w.clone()}, tmp_path / "m.safetensors")  # fmt: skip
     with pytest.raises(ModelFileError, match="which are one tensor"):
         SafetensorsReader([tmp_path / "m.safetensors"], args.our_name)
+
+
+def _edited(src: Path, dst: Path, **changes) -> Path:
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+def test_an_unknown_rope_scaling_is_refused_before_any_weight_loads(checkpoints, tmp_path):
+    from quantserve.converters import hf_to_gguf
+    from quantserve.errors import UnsupportedFormatError
+
+    bad = _edited(
+        checkpoints["mistral-window"],
+        tmp_path / "bad",
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+    )
+    with pytest.raises(
+        UnsupportedFormatError, match="rope scaling 'dynamic' is not supported by the torch backend"
+    ):
+        load_model(detect(bad), dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(UnsupportedFormatError, match="rope type 'dynamic' is not supported for conversion"):
+        hf_to_gguf(bad, tmp_path / "m.gguf", "f16", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_window_longer_than_the_context_is_read_as_none(checkpoints, tmp_path):
+    """Phi-3-mini-128k's config has a 262144-token window over 131072 positions: not an error, as it never
+    applies; the model is transformers' and the plan and inspect say that the window never applies."""
+    from quantserve.backends.torch.backend import TorchBackend
+    from quantserve.core.settings import EngineSettings
+    from quantserve.formats.summary import render_summary, summarize
+
+    src = _edited(checkpoints["phi3"], tmp_path / "long", sliding_window=1024)  # 512 positions
+    model = load_model(detect(src), dtype=torch.float32, device=torch.device("cpu"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got = ref(torch.tensor([LONG])).logits, model.compute_logits(model(torch.tensor([LONG])))
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    steps = TorchBackend().plan(detect(src), EngineSettings(max_num_seqs=1), "asked for").steps
+    assert any("sliding_window 1024 is not shorter than the model's 512-token context" in s for s in steps)
+    assert "not shorter than the 512-token context: none applies" in render_summary(summarize(src))

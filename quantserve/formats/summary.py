@@ -202,6 +202,9 @@ def _hf_windows(config: dict[str, Any]) -> str | None:
         return None
     local = sum(1 for w in windows if w)
     within = "/".join(map(str, sizes))
+    ctx = config.get("max_position_embeddings")
+    if isinstance(ctx, int) and sizes[0] >= ctx:
+        return f"a window of {within} tokens, not shorter than the {ctx}-token context: none applies"
     if local == len(windows):
         return f"every layer within {within} tokens"
     return f"{local} of {len(windows)} layers within {within} tokens, {len(windows) - local} global"

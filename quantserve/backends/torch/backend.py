@@ -142,6 +142,9 @@ def _window_step(spec: ModelSpec) -> str | None:
     local = [w for w in windows if w]
     if not local:
         return None
+    ctx = (spec.config or {}).get("max_position_embeddings")
+    if isinstance(ctx, int) and min(local) >= ctx:  # Phi-3-mini-128k's 262144 over its 131072 positions
+        return f"sliding_window {min(local)} is not shorter than the model's {ctx}-token context: it never applies"
     return (
         f"attend within {max(local)} tokens in {len(local)} of {len(windows)} layers (exact masks); their KV is "
         "kept for the whole context, since every layer shares one block table, so the windows save no KV memory"
