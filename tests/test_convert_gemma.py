@@ -264,7 +264,15 @@ def test_a_sentencepiece_tokenizer_model_converts_as_llama_cpp_converts_it(
 
 
 def test_a_malformed_tokenizer_model_is_refused_by_name(spm_checkpoints, tmp_path):
+    from quantserve.gguf.spm import spm_vocab
+
     src = Path(shutil.copytree(spm_checkpoints["gemma3"], tmp_path / "bad"))
+    for decoder in ([1, 2], {"²": {"content": "x"}, "7": "x", "8": {"content": 3}}):  # ignored, never a crash
+        (src / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": decoder}))
+        assert len(spm_vocab(src, {"vocab_size": 408}).tokens) == 408
+    (src / "tokenizer_config.json").write_text("[" * 100_000)
+    with pytest.raises(ModelFileError, match="tokenizer_config.json: cannot parse JSON"):
+        spm_vocab(src, {"vocab_size": 408})
     (src / "tokenizer.model").write_bytes((src / "tokenizer.model").read_bytes()[:1000])
     with pytest.raises(ModelFileError, match="tokenizer.model.*not a SentencePiece model"):
         hf_to_gguf(src, tmp_path / "m.gguf", "f16", progress=False)

@@ -72,9 +72,13 @@ def test_matches_gather_then_sdpa(dtype, n_heads, n_kv, dim, lens):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[1, 16, 17, 300, 4097], [128] * 64])
-@pytest.mark.parametrize("n_heads,n_kv,dim", [(32, 8, 128), (9, 3, 64)])
-def test_cuda_matches_gather_then_sdpa(dtype, lens, n_heads, n_kv, dim):
-    out, ref = case("cuda", dtype, n_heads, n_kv, dim, lens)
+@pytest.mark.parametrize(
+    "n_heads,n_kv,dim,window,softcap",
+    [(32, 8, 128, 0, 0.0), (9, 3, 64, 0, 0.0), (16, 8, 256, 1024, 0.0), (8, 4, 256, 100, 50.0)],
+    ids=["llama", "g3", "gemma3-window", "gemma2-window-cap"],
+)
+def test_cuda_matches_gather_then_sdpa(dtype, lens, n_heads, n_kv, dim, window, softcap):
+    out, ref = case("cuda", dtype, n_heads, n_kv, dim, lens, window=window, softcap=softcap)
     tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
 

@@ -30,6 +30,7 @@ from quantserve.gguf.tokenizer import (
 )
 
 MAX_BYTES = 64 << 20  # Gemma's tokenizer.model is 4 MB
+MAX_PIECES = 1 << 21  # the largest vocabularies have 262k pieces
 _TYPES = {
     2: UNKNOWN,
     3: CONTROL,
@@ -95,6 +96,8 @@ def read_pieces(path: Path) -> list[tuple[str, float, int]]:
                 elif f == 3 and w == 0:
                     kind = v
             pieces.append((piece, score, kind))
+            if len(pieces) > MAX_PIECES:
+                raise ValueError(f"more than {MAX_PIECES} pieces")
     except (ValueError, UnicodeDecodeError, struct.error) as e:
         raise ModelFileError(
             f"{path}: not a SentencePiece model ({e}); re-download tokenizer.model"
@@ -119,11 +122,13 @@ def spm_vocab(directory: Path, hparams: Mapping[str, Any], *, space_prefix: bool
     for token, i in _json(directory / "added_tokens.json").items():
         if isinstance(i, int) and 0 <= i < n:
             tokens[i], scores[i], types[i] = token, -1000.0, USER_DEFINED
-    for key, data in (_json(directory / "tokenizer_config.json").get("added_tokens_decoder") or {}).items():
-        if not str(key).isdigit() or not isinstance(data, dict) or not isinstance(data.get("content"), str):
+    decoder = _json(directory / "tokenizer_config.json").get("added_tokens_decoder")
+    for key, data in (decoder if isinstance(decoder, dict) else {}).items():
+        try:
+            i, content = int(key), data["content"]
+        except (ValueError, TypeError, KeyError):
             continue
-        i, content = int(key), data["content"]
-        if i >= n:
+        if not isinstance(content, str) or not 0 <= i < n:
             continue
         if data.get("special") or looks_special(content):
             types[i] = CONTROL
@@ -139,6 +144,6 @@ def _json(path: Path) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelFileError(f"{path}: cannot parse JSON ({e}); fix or re-download the file") from None
     return value if isinstance(value, dict) else {}
