@@ -145,9 +145,8 @@ def _gguf_config(md: Mapping[str, Any], config: Mapping[str, Any], arch: str) ->
         "final_logit_softcapping": md.get(f"{arch}.final_logit_softcapping"),
         "attention_bias": False,
     }
-    if (
-        arch == "gemma3"
-    ):  # beside rope_theta / rope_scaling (the global layers'), which transformers 4 and 5 read
+    # Gemma 3's local base, beside rope_theta / rope_scaling (the global layers'): transformers 4 and 5 read these
+    if arch == "gemma3":
         out["rope_local_base_freq"] = md.get("gemma3.rope.freq_base_swa", 10000.0)
     return out
 
