@@ -67,6 +67,29 @@ def run_python(args: list, pythonpath: Path, cwd: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def convert_with_llama_cpp(
+    vendored: Path,
+    src: Path,
+    out: Path,
+    tmp: Path,
+    *,
+    sentencepiece: bool = False,
+    wrapper: Path | None = None,
+) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on `src` to an F16 `out`, offline, run from `tmp`: with an empty
+    `sentencepiece` module for the one it imports unless `sentencepiece` (then the installed library reads
+    tokenizer.model); `wrapper`: a script that adjusts the converter and then runs it (its first argument)."""
+    shim = tmp / "shim"
+    if not sentencepiece and not shim.is_dir():
+        shim.mkdir()
+        (shim / "sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
+    script = (
+        [wrapper, vendored / "convert_hf_to_gguf.py"] if wrapper else [vendored / "convert_hf_to_gguf.py"]
+    )
+    run_python([*script, src, "--outfile", out, "--outtype", "f16"], tmp if sentencepiece else shim, tmp)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_gguf, tmp_path_factory) -> Path:
     """The full-precision (fp32) HF checkpoint of SmolLM2, made once by our own GGUF -> HF converter."""

@@ -18,7 +18,7 @@ import pytest
 from quantserve.converters import gguf_to_hf, hf_to_gguf
 from quantserve.errors import ModelFileError, UnsupportedFormatError
 from quantserve.formats import read_gguf_info
-from tests.conftest import run_python
+from tests.conftest import convert_with_llama_cpp
 from tests.test_convert_hf_to_gguf import IDS, _weights, llama_logits, tensor_bytes
 from tests.test_convert_phi3 import hf_logits
 
@@ -86,15 +86,11 @@ def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("oracle")
-    (tmp / "shim").mkdir()
-    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
     (tmp / "oracle.py").write_text(ORACLE)
-    out = {}
-    for name, src in checkpoints.items():
-        out[name] = tmp / f"{name}-f16.gguf"
-        run_python([tmp / "oracle.py", vendored / "convert_hf_to_gguf.py", src, "--outfile", out[name],
-                    "--outtype", "f16"], tmp / "shim", tmp)  # fmt: skip
-    return out
+    return {
+        name: convert_with_llama_cpp(vendored, src, tmp / f"{name}-f16.gguf", tmp, wrapper=tmp / "oracle.py")
+        for name, src in checkpoints.items()
+    }
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -127,11 +123,7 @@ def test_the_language_model_of_a_multimodal_gemma3_converts_as_llama_cpp_convert
     src = tmp_path / "mm"
     model.to(torch.bfloat16).save_pretrained(src)
     tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(src)
-    (tmp_path / "shim").mkdir()
-    (tmp_path / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
-    oracle = tmp_path / "oracle.gguf"
-    run_python([vendored / "convert_hf_to_gguf.py", src, "--outfile", oracle, "--outtype", "f16"], tmp_path / "shim",
-               tmp_path)  # fmt: skip
+    oracle = convert_with_llama_cpp(vendored, src, tmp_path / "oracle.gguf", tmp_path)
     ours = hf_to_gguf(src, tmp_path / "ours.gguf", "f16", progress=False)
     kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracle).metadata
     assert kv == {k: v for k, v in ref.items() if k != "tokenizer.ggml.add_eos_token"}
@@ -243,10 +235,7 @@ def test_a_sentencepiece_tokenizer_model_converts_as_llama_cpp_converts_it(
     import llama_cpp
 
     src = spm_checkpoints[name]
-    oracle = tmp_path / "oracle.gguf"
-    run_python(
-        [vendored / "convert_hf_to_gguf.py", src, "--outfile", oracle, "--outtype", "f16"], tmp_path, tmp_path
-    )
+    oracle = convert_with_llama_cpp(vendored, src, tmp_path / "oracle.gguf", tmp_path, sentencepiece=True)
     ours = hf_to_gguf(src, tmp_path / "ours.gguf", "f16", progress=False)
     kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracle).metadata
     assert list(kv.items()) == list(ref.items())

@@ -14,7 +14,7 @@ import pytest
 from quantserve.converters import gguf_to_hf, hf_to_gguf
 from quantserve.errors import UnsupportedFormatError
 from quantserve.formats import read_gguf_info
-from tests.conftest import run_python
+from tests.conftest import convert_with_llama_cpp
 from tests.test_convert_hf_to_gguf import SIZES, _weights, hf_logits, llama_logits, tensor_bytes
 
 torch = pytest.importorskip("torch")
@@ -77,14 +77,10 @@ def moe(checkpoints) -> Path:
 def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
     """llama.cpp's convert_hf_to_gguf.py on each (an empty `sentencepiece` stands in for the one it imports)."""
     tmp = tmp_path_factory.mktemp("oracle-moe")
-    (tmp / "shim").mkdir()
-    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
-    out = {}
-    for family, src in checkpoints.items():
-        out[family] = tmp / f"{family}-f16.gguf"
-        run_python([vendored / "convert_hf_to_gguf.py", src, "--outfile", out[family], "--outtype", "f16"],
-                   tmp / "shim", tmp)  # fmt: skip
-    return out
+    return {
+        family: convert_with_llama_cpp(vendored, src, tmp / f"{family}-f16.gguf", tmp)
+        for family, src in checkpoints.items()
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,7 +14,7 @@ import pytest
 from quantserve.converters import gguf_to_hf, hf_to_gguf
 from quantserve.errors import ModelFileError
 from quantserve.formats import read_gguf_info
-from tests.conftest import run_python
+from tests.conftest import convert_with_llama_cpp
 from tests.test_convert_hf_to_gguf import IDS, SIZES, _weights, llama_logits, tensor_bytes
 
 torch = pytest.importorskip("torch")
@@ -61,14 +61,10 @@ def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("oracle")
-    (tmp / "shim").mkdir()
-    (tmp / "shim/sentencepiece.py").write_text("class SentencePieceProcessor: ...\n")
-    out = {}
-    for name, src in checkpoints.items():
-        out[name] = tmp / f"{name}-f16.gguf"
-        run_python([vendored / "convert_hf_to_gguf.py", src, "--outfile", out[name], "--outtype", "f16"],
-                   tmp / "shim", tmp)  # fmt: skip
-    return out
+    return {
+        name: convert_with_llama_cpp(vendored, src, tmp / f"{name}-f16.gguf", tmp)
+        for name, src in checkpoints.items()
+    }
 
 
 def hf_logits(directory: Path, ids: list[int]) -> np.ndarray:
