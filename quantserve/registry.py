@@ -38,6 +38,8 @@ class ModelEntry(BaseModel):
     reasoning_budget: int | None = Field(default=None, ge=0)
     # layers llama.cpp puts on the GPU: auto, all or a number (None: --n-gpu-layers, itself auto by default)
     n_gpu_layers: int | str | None = None
+    # llama.cpp RPC workers whose devices take layers, "host:port[,host:port...]" (None: --rpc)
+    rpc: str | None = None
     # a LLaVA text GGUF's vision projector, relative to models.toml; without it an mmproj GGUF beside the model
     # is found (quantserve.formats.find_mmproj)
     mmproj: str | None = None

@@ -9,6 +9,7 @@ from quantserve.cli.bench import bench
 from quantserve.cli.convert import convert
 from quantserve.cli.eval import eval_group
 from quantserve.cli.models import cache, inspect, models
+from quantserve.cli.rpc import rpc_worker
 from quantserve.cli.serve import run
 
 
@@ -18,5 +19,5 @@ def main() -> None:
     """quantserve: serve quantized LLMs behind an OpenAI-compatible API."""
 
 
-for command in (run, models, inspect, cache, convert, eval_group, bench):
+for command in (run, models, inspect, cache, convert, eval_group, bench, rpc_worker):
     main.add_command(command)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
+from quantserve.errors import ConfigError
 from quantserve.registry import parse_gpu_layers
 
 MAX_DEFAULT_CTX = 8192  # a model's full training context is rarely what a user wants, nor what memory allows
@@ -27,6 +28,14 @@ class LlamaCppSettings:
     use_mmap: bool = True
     mmproj: str | None = None  # a LLaVA GGUF's vision projector (None: an mmproj GGUF found beside the model)
     probe: bool = False  # load and run each GGUF in a child process first, so a C abort cannot kill this one
+    rpc: str | None = None  # llama.cpp RPC workers, host:port[,host:port...], whose devices take layers
+    tensor_split: str | None = (
+        None  # share of the offloaded model per device, e.g. "3,1" (None: by free memory)
+    )
+    split_mode: str = (
+        "layer"  # layer (whole layers per device), row (each matrix across GPUs), none (main_gpu)
+    )
+    main_gpu: int = 0  # the device for the whole model with split_mode none, and for row mode's small tensors
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class ModelDefaults(Protocol):
     """What a models.toml entry may set for its model (quantserve.registry.ModelEntry)."""
 
     n_gpu_layers: int | str | None
+    rpc: str | None
     backend: str
     quant: str
     ctx_size: int
@@ -117,6 +127,8 @@ class EngineSettings:
         llamacpp = self.llamacpp
         if llamacpp.n_gpu_layers is None and entry.n_gpu_layers is not None:
             llamacpp = replace(llamacpp, n_gpu_layers=parse_gpu_layers(entry.n_gpu_layers))
+        if llamacpp.rpc is None and entry.rpc:
+            llamacpp = replace(llamacpp, rpc=entry.rpc)
         return replace(
             self,
             llamacpp=llamacpp,
@@ -135,3 +147,22 @@ class EngineSettings:
             ),
             sampling_defaults={**entry.sampling, **self.sampling_defaults},
         )
+
+
+def parse_tensor_split(text: str) -> list[float]:
+    """--tensor-split "3,1": one non-negative share per device, at least one above zero (llama.cpp normalises).
+
+    Raises:
+        ConfigError: anything else, saying what is accepted.
+    """
+    try:
+        shares = [float(x) for x in text.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or any(not x >= 0 for x in shares) or not any(shares) or len(shares) > 16:
+        raise ConfigError(
+            f"--tensor-split {text!r}: give one share per device, comma-separated, e.g. 3,1 (at most 16; at least "
+            "one above 0)",
+            param="tensor_split",
+        )
+    return shares

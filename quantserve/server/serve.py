@@ -13,22 +13,40 @@ from quantserve.server.settings import ServerSettings
 log = logging.getLogger("quantserve")
 
 
-def serve(settings: ServerSettings) -> int:
+def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
     """Blocks until SIGINT/SIGTERM. On a signal the server stops accepting connections, lets in-flight requests
     finish for up to `graceful_timeout` seconds, cancels the rest, and returns 0. In single-model mode a model that
     fails to load stops the server with exit code 2; in router mode it answers 503 and the server goes on.
 
+    With RPC workers (--rpc, or the models.toml entry's `rpc`), the model runs in a child process behind this
+    one (quantserve.server.supervisor); `uds` is that child's Unix socket, given only to the child.
+
     Raises:
-        QuantserveError: the model cannot be found or its file is invalid (checked before listening).
+        QuantserveError: the model cannot be found or its file is invalid (checked before listening); an RPC
+            worker is unreachable or of another version.
     """
+    from quantserve.core.rpc import check_workers, parse_endpoints
     from quantserve.errors import ConfigError
     from quantserve.llm import LLM
+    from quantserve.registry import find_models_toml, load_registry
     from quantserve.server.app import create_app
+    from quantserve.server.supervisor import create_proxy
 
+    rpc = None
     if settings.router_mode:
         if settings.model is not None:
             raise ConfigError(
                 f"give a MODEL ({settings.model}) or --models ({settings.models}), not both", param="models"
+            )
+        registry = load_registry(find_models_toml(settings.models_file))
+        with_rpc = [name for name, e in registry.entries.items() if e.rpc] + (
+            ["--rpc"] if settings.rpc else []
+        )
+        if with_rpc:
+            raise ConfigError(
+                f"{', '.join(with_rpc)}: a model on RPC workers is served alone, in a process of its own that a "
+                f"worker fault cannot take down; run it with `quantserve run NAME`",
+                param="rpc",
             )
         log.info(
             "quantserve %s: router mode, models from %s", __version__, settings.models_file or "models.toml"
@@ -47,6 +65,7 @@ def serve(settings: ServerSettings) -> int:
                 param="models",
             )
         resolved, _ = settings.resolve_model()
+        rpc = settings.rpc or resolved.entry.rpc
         # the plan validates the files (before llama.cpp ever opens them) and the settings, before listening
         plan = LLM.plan_for(resolved, settings.engine_settings())
         log.info(
@@ -67,16 +86,25 @@ def serve(settings: ServerSettings) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_load_error=None if settings.router_mode else on_load_error)
+    if rpc and uds is None:
+        workers = parse_endpoints(rpc)
+        check_workers(workers)  # a worker the C client would abort on is refused here, by name
+        log.info("RPC workers %s answer; the model runs in a child process", ", ".join(map(str, workers)))
+        app = create_proxy(settings, workers, on_load_error)
+    else:
+        app = create_app(settings, on_load_error=None if settings.router_mode else on_load_error)
+    where = {"uds": uds} if uds else {"host": settings.host, "port": settings.port}
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
+        **where,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.graceful_timeout,
         access_log=settings.log_level == "debug",
     )
     server = uvicorn.Server(config)
+    if uds:
+        server.run()
+        return exit_code
     log.info(
         "OpenAI-compatible API on http://%s:%d/v1, chat page on http://%s:%d/ (%s)",
         settings.host,

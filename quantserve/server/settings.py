@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from quantserve.core.settings import EngineSettings
+from quantserve.core.rpc import parse_endpoints
+from quantserve.core.settings import EngineSettings, parse_tensor_split
+from quantserve.errors import ConfigError
 from quantserve.registry import (
     ResolvedModel,
     find_models_toml,
@@ -87,6 +89,33 @@ class ServerSettings(BaseModel):
         description="layers llama.cpp puts on the GPU (Metal, CUDA): auto (every layer when the model and its KV "
         "fit the GPU's free memory with 1 GiB to spare, else as many as fit; 0 on a CPU-only build), all, or a "
         "number",
+    )
+    rpc: str | None = Field(
+        default=None,
+        description="llama.cpp: RPC workers (`quantserve rpc-worker` on other machines), host:port[,host:port...]; "
+        "their devices take the model's layers, as --tensor-split says. The model then runs in a child process, "
+        "so a worker that dies fails requests (503) instead of the server",
+    )
+    rpc_timeout: float = Field(
+        default=300.0,
+        gt=0,
+        description="with --rpc: seconds a request may wait for its next byte from the model before its workers "
+        "count as hung, and the model restarts",
+    )
+    tensor_split: str | None = Field(
+        default=None,
+        description="llama.cpp: share of the offloaded model per device, in llama.cpp's device order (GPUs, then "
+        "RPC workers as listed), e.g. 3,1 (default: by free memory)",
+    )
+    split_mode: Literal["layer", "row", "none"] = Field(
+        default="layer",
+        description="llama.cpp with several devices: layer (whole layers per device), row (each matrix split "
+        "across CUDA GPUs), none (everything on --main-gpu)",
+    )
+    main_gpu: int = Field(
+        default=0,
+        ge=0,
+        description="llama.cpp: the device for --split-mode none, and row mode's small tensors",
     )
     cache_type_k: str = Field(default="f16", description="KV cache type for K (f16, q8_0, q4_0, …)")
     cache_type_v: str = Field(default="f16", description="KV cache type for V (f16, q8_0, q4_0, …)")
@@ -171,6 +200,26 @@ class ServerSettings(BaseModel):
         parse_gpu_layers(v)  # raises with what is accepted
         return str(v).strip().lower()
 
+    @field_validator("rpc")
+    @classmethod
+    def _rpc(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_endpoints(v)
+            except ConfigError as exc:  # pydantic reports ValueErrors
+                raise ValueError(exc.message.removeprefix("--rpc ")) from None
+        return v
+
+    @field_validator("tensor_split")
+    @classmethod
+    def _split(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                parse_tensor_split(v)
+            except ConfigError as exc:
+                raise ValueError(exc.message.removeprefix("--tensor-split ")) from None
+        return v
+
     @field_validator("memory_budget")
     @classmethod
     def _size(cls, v: str | None) -> str | None:
@@ -208,5 +257,5 @@ SERVER_ONLY = {
     "host", "port", "api_key", "no_cache", "responses_store_size", "max_body_bytes",
     "graceful_timeout", "log_level", "max_image_bytes", "max_images", "max_image_pixels",
     "image_urls", "allowed_media_domains",
-    "image_timeout",
+    "image_timeout", "rpc_timeout",
 }  # fmt: skip

@@ -132,8 +132,13 @@ class LlamaCppBackend:
         kv = llamacpp_kv(gguf_shape(info.metadata), settings, n_ctx_cap=info.context_length if rank else None)
         from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
 
-        offload = plan_offload(spec.files[0], settings, gpu_device())
-        load = f"load it with llama.cpp: {offload.describe()}"
+        if settings.llamacpp.rpc:  # a plan reads headers only: the workers are greeted at load
+            load = (
+                f"load it with llama.cpp, its layers on RPC workers {settings.llamacpp.rpc} as their free memory "
+                f"and --tensor-split say ({settings.llamacpp.split_mode} split); the token embeddings stay here"
+            )
+        else:
+            load = f"load it with llama.cpp: {plan_offload(spec.files[0], settings, gpu_device()).describe()}"
         vision = None
         if mmproj is not None:
             vision = f"images through {mmproj.name}: {describe_mmproj(read_gguf_info(mmproj))}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from pathlib import Path
 
 import llama_cpp as lc
 
@@ -16,7 +17,10 @@ _LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: loggin
 @lc.llama_log_callback
 def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     if text:
-        log.log(_LOG_LEVELS.get(level, logging.DEBUG), "%s", text.decode("utf-8", "replace").rstrip())
+        line = text.decode("utf-8", "replace").rstrip()
+        # where the weights went (which device, RPC worker or host buffer holds how much) is worth a line at load
+        where = logging.INFO if "model buffer size" in line else logging.DEBUG
+        log.log(max(_LOG_LEVELS.get(level, logging.DEBUG), where), "%s", line)
 
 
 _backend_ready = False
@@ -41,3 +45,19 @@ def init_mtmd_log() -> None:
         mtmd.mtmd_log_set(_log_callback, ctypes.c_void_p(0))
         mtmd.mtmd_helper_log_set(_log_callback, ctypes.c_void_p(0))
         _mtmd_ready = True
+
+
+_LIBGGML = ("libggml.so.0", "libggml.0.dylib", "libggml.dylib", "ggml.dll", "libggml.so")
+
+
+def libggml() -> ctypes.CDLL:
+    """libggml as libllama loaded it: the file its dependency names (libggml.so.0 on Linux). The wheel installs
+    libggml.so and libggml.so.0 as two copies of one file, and llama_cpp._ggml opens the other one, whose device
+    registry libllama never reads: a device registered there (an RPC worker) would be invisible to a model."""
+    import llama_cpp
+
+    libdir = Path(llama_cpp.__file__).parent / "lib"
+    for name in _LIBGGML:
+        if (libdir / name).exists():
+            return ctypes.CDLL(str(libdir / name))
+    raise OSError(f"no libggml in {libdir}")

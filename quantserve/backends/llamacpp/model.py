@@ -16,14 +16,16 @@ import numpy as np
 
 from quantserve.backends.llamacpp.library import init_backend
 from quantserve.backends.llamacpp.offload import gpu_device, plan_offload
+from quantserve.backends.llamacpp.rpc import add_workers
 from quantserve.backends.llamacpp.sampler import SamplerChain
 from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
 from quantserve.core.model_size import gguf_shape, llamacpp_kv
 from quantserve.core.plan import KVPlan
+from quantserve.core.rpc import parse_endpoints
 from quantserve.core.runner import CopyKV, DropKV, KVCacheFull, KVSpec, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
-from quantserve.core.settings import EngineSettings
+from quantserve.core.settings import EngineSettings, parse_tensor_split
 from quantserve.errors import ConfigError, ModelFileError
 from quantserve.formats import read_gguf_info
 from quantserve.structured import Vocabulary
@@ -32,6 +34,7 @@ log = logging.getLogger("quantserve.llamacpp")
 
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
 IMAGE_MARKER = "<image>"  # what LLaVA's chat templates write for an image: one token of its vocabulary
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
@@ -57,6 +60,10 @@ class LlamaCppRunner:
         for name, value in (("cache_type_k", own.cache_type_k), ("cache_type_v", own.cache_type_v)):
             if value not in KV_CACHE_TYPES:
                 raise ConfigError(f"{name} {value!r} is not one of {', '.join(KV_CACHE_TYPES)}", param=name)
+        if own.rpc:
+            add_workers(
+                parse_endpoints(own.rpc)
+            )  # before the device list is read: their devices count as GPUs
         self.offload = plan_offload(self.path, settings, gpu_device())
         # a CPU-only build choosing 0 is no news (debug); anything else is worth a line at startup
         log.log(
@@ -67,6 +74,13 @@ class LlamaCppRunner:
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = self.offload.n_gpu_layers
         mparams.use_mmap = own.use_mmap
+        mparams.split_mode = SPLIT_MODES[own.split_mode]
+        mparams.main_gpu = own.main_gpu
+        if own.tensor_split:
+            shares = parse_tensor_split(own.tensor_split)
+            # llama.cpp reads llama_max_devices() floats; the array lives as long as the model's params
+            self._tensor_split = (ctypes.c_float * lc.llama_max_devices())(*shares)
+            mparams.tensor_split = self._tensor_split
         self.model = lc.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise ModelFileError(

@@ -32,6 +32,7 @@ class Device:
     description: str
     free: int
     total: int
+    count: int = 1  # devices taken together (each keeps llama-server's margin free)
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,10 @@ def fit_layers(
 
 
 def _ggml():
-    """libggml, as llama-cpp-python loaded it, with the device functions typed."""
-    from llama_cpp._ggml import libggml
+    """libggml, as libllama loaded it, with the device functions typed."""
+    from quantserve.backends.llamacpp.library import libggml
 
-    lib = libggml
+    lib = libggml()
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
@@ -101,15 +102,14 @@ GPU_TYPES = (
 
 
 def gpu_device() -> Device | None:
-    """The first GPU llama.cpp can use (the one it fills first), with its free memory; None on a CPU build."""
-    import llama_cpp as lc
-
+    """The GPUs llama.cpp can use (its own, then any registered RPC workers' devices), as one device with their
+    free memory added up, since llama.cpp spreads the offloaded layers over all of them; None when there is none
+    (a CPU build)."""
     from quantserve.backends.llamacpp.library import init_backend
 
     init_backend()
-    if not lc.llama_supports_gpu_offload():
-        return None
     lib = _ggml()
+    found = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         if lib.ggml_backend_dev_type(dev) in GPU_TYPES:
@@ -117,8 +117,17 @@ def gpu_device() -> Device | None:
             lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
             name = lib.ggml_backend_dev_name(dev).decode(errors="replace")
             desc = lib.ggml_backend_dev_description(dev).decode(errors="replace")
-            return Device(name, desc, free.value, total.value)
-    return None
+            found.append(Device(name, desc, free.value, total.value))
+    if len(found) <= 1:
+        return found[0] if found else None
+    names = ", ".join(f"{d.name} ({d.description})" if d.description != d.name else d.name for d in found)
+    return Device(
+        ",".join(d.name for d in found),
+        names,
+        sum(d.free for d in found),
+        sum(d.total for d in found),
+        len(found),
+    )
 
 
 def plan_offload(path: Path, settings: EngineSettings, device: Device | None) -> Offload:
@@ -148,7 +157,7 @@ def plan_offload(path: Path, settings: EngineSettings, device: Device | None) ->
     arch = info.metadata.get("general.architecture")
     n_embd = int(info.metadata.get(f"{arch}.embedding_length") or 4096)
     buffers = settings.n_batch * (vocab + 16 * n_embd) * 4  # logits plus activations of one batch, fp32
-    n = fit_layers(layers, output, kv_layer, buffers, device.free)
+    n = fit_layers(layers, output, kv_layer, buffers, device.free, MARGIN * device.count)
     gib = 2**30
     total = (sum(layers) + output + kv_layer * shape.n_layer) / gib
     if n == ALL:
