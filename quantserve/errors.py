@@ -109,6 +109,12 @@ class ServerOverloadedError(QuantserveError):
     code = "server_overloaded"
 
 
+class ModelUnavailableError(QuantserveError):
+    """The loaded model cannot run any more: a part of it on another process or machine is gone."""
+
+    http_status = 503
+
+
 class ModelLoadingError(QuantserveError):
     http_status = 503
     error_type = "server_error"

@@ -8,7 +8,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -19,7 +19,7 @@ from quantserve.chat.reasoning_request import ReasoningRequest
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import Image, ImageSpan, expand_images
 from quantserve.core.plan import ModelPlan
-from quantserve.core.runner import ModelInfo, ModelRunner, VisionSpec
+from quantserve.core.runner import EngineStats, ModelInfo, ModelRunner, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
@@ -33,19 +33,12 @@ from quantserve.errors import (
     ContextLengthExceededError,
     EmbeddingsUnsupportedError,
     InvalidRequestError,
+    ModelUnavailableError,
 )
 from quantserve.registry import ResolvedModel
 from quantserve.structured import GuideCompiler
 
 log = logging.getLogger("quantserve")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    waiting: int  # queued, not yet scheduled
-    running: int
-    kv_cells_used: int  # KV cells holding tokens (llama.cpp's own count where it keeps one)
-    kv_cells_cached: int  # of those, cells kept only as prefix cache
 
 
 class LLM:
@@ -171,10 +164,8 @@ class LLM:
         loaded = BACKENDS[plan.backend].load(plan)
         bos, eos = loaded.bos_token, loaded.eos_token
         template = None
-        if plan.template is not None:
-            template = ChatTemplate(
-                plan.template.text, bos_token=bos, eos_token=eos, origin=plan.template.origin
-            )
+        if (t := plan.template) is not None:
+            template = ChatTemplate(t.text, bos_token=bos, eos_token=eos, origin=t.origin)
         llm = cls(model.name, loaded.runner, plan, template, loaded.info)
         llm._keep_alive = loaded.keep_alive  # a temporary conversion lives as long as the model
         return llm
@@ -313,6 +304,8 @@ class LLM:
     ) -> RequestStream:
         """Stream the continuation of `prompt_tokens`; `images` as prepare_chat placed them."""
         self._refuse_if_reranker("prompt")
+        if fault := self.fault():  # a tensor-parallel rank is gone
+            raise ModelUnavailableError(f"the model is unavailable: {fault}; restart the server")
         seq = Sequence(
             request_id=request_id or uuid.uuid4().hex,
             prompt_tokens=prompt_tokens,
@@ -348,7 +341,13 @@ class LLM:
     def stats(self) -> EngineStats:
         """The engine's queue and KV occupancy now, for /metrics."""
         e = self._engine
-        return EngineStats(e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached)
+        ranks = getattr(self._runner, "rank_step_seconds", list)()
+        return EngineStats(e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached, tuple(ranks))
+
+    def fault(
+        self,
+    ) -> str | None:  # why the model cannot run any more (a tensor-parallel rank is gone), or None
+        return getattr(self._runner, "fault", lambda: None)()
 
     async def embed(self, tokens: list[int]) -> list[float]:
         if not self.can_embed:

@@ -40,6 +40,8 @@ class ModelEntry(BaseModel):
     n_gpu_layers: int | str | None = None
     # llama.cpp RPC workers whose devices take layers, "host:port[,host:port...]" (None: --rpc)
     rpc: str | None = None
+    # torch backend: ranks the model is split over (None: --tensor-parallel-size)
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=64)
     # a LLaVA text GGUF's vision projector, relative to models.toml; without it an mmproj GGUF beside the model
     # is found (quantserve.formats.find_mmproj)
     mmproj: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -136,7 +137,9 @@ def bench(
     # server's prompt cache would otherwise answer it); prompts from a file are sent exactly as written.
     run_id = None if prompts_file else secrets.token_hex(2)
     results: dict[str, list] = {label: [] for label, _ in targets}
+    rank_seconds: dict[str, dict[str, float]] = {}
     for label, base in targets:
+        before = _rank_seconds(base, api_key)
         for level, c in enumerate(concurrency):
             spec = lg.LoadSpec(
                 base_url=base,
@@ -158,8 +161,16 @@ def bench(
                 f"{label} {base}: c={c}, {spec.num_requests} requests, {max_tokens} max tokens …", err=True
             )
             results[label].append(asyncio.run(lg.run_load(spec)))
+        after = _rank_seconds(base, api_key)
+        if after:
+            rank_seconds[label] = {r: after[r] - before.get(r, 0.0) for r in after}
 
     click.echo(report.render_table([(label, r) for label, _ in targets for r in results[label]]))
+    for label, per_rank in rank_seconds.items():
+        click.echo(
+            f"{label}: tensor-parallel step time in the run, per rank: "
+            + ", ".join(f"rank {r} {t:.2f} s" for r, t in sorted(per_rank.items()))
+        )
     for label, _ in targets:
         for r in results[label]:
             for err in r.errors:
@@ -188,6 +199,7 @@ def bench(
                 for label, base in targets
                 for r in results[label]
             ],
+            "rank_step_seconds": rank_seconds,
             "ratios": [
                 {"concurrency": a.concurrency, **report.ratios(a, b)}
                 for a, b in zip(results["ours"], results.get("peer", []), strict=False)
@@ -195,3 +207,19 @@ def bench(
         }
         Path(json_path).write_text(json.dumps(doc, indent=2) + "\n")
         click.echo(f"wrote {json_path}", err=True)
+
+
+_RANK_TOTAL = re.compile(r'^quantserve_rank_step_seconds_total\{[^}]*rank="(\d+)"[^}]*\} ([0-9.e+-]+)$', re.M)
+
+
+def _rank_seconds(base: str, api_key: str | None) -> dict[str, float]:
+    """Each tensor-parallel rank's time in engine steps so far, from the server's /metrics (empty: one process, or
+    a server that is not quantserve)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(base.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    return {rank: float(v) for rank, v in _RANK_TOTAL.findall(text)}

@@ -154,6 +154,18 @@ class ModelInfo:
     backend: str  # llamacpp | torch
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A loaded model's engine now, for /metrics."""
+
+    waiting: int  # queued, not yet scheduled
+    running: int
+    kv_cells_used: int  # KV cells holding tokens (llama.cpp's own count where it keeps one)
+    kv_cells_cached: int  # of those, cells kept only as prefix cache
+    # tensor parallel: each rank's (last step, all steps) in seconds; empty for one process
+    rank_step_seconds: tuple[tuple[float, float], ...] = ()
+
+
 @dataclass
 class Loaded:
     """What a backend's load() hands to quantserve.llm.LLM: the running model, and what it learned loading it."""

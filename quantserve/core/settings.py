@@ -43,6 +43,7 @@ class TorchSettings:
     """What only the torch backend reads."""
 
     block_size: int = 16  # tokens per KV block (the unit of paging and of prefix caching)
+    tensor_parallel_size: int = 1  # ranks the model is split over (backends/torch/tp.py)
     gpu_memory_utilization: float = (
         0.90  # share of the GPU's memory the model, KV cache and activations may use
     )
@@ -59,6 +60,7 @@ class ModelDefaults(Protocol):
 
     n_gpu_layers: int | str | None
     rpc: str | None
+    tensor_parallel_size: int | None
     backend: str
     quant: str
     ctx_size: int
@@ -129,9 +131,13 @@ class EngineSettings:
             llamacpp = replace(llamacpp, n_gpu_layers=parse_gpu_layers(entry.n_gpu_layers))
         if llamacpp.rpc is None and entry.rpc:
             llamacpp = replace(llamacpp, rpc=entry.rpc)
+        own = self.torch
+        if own.tensor_parallel_size == 1 and entry.tensor_parallel_size:
+            own = replace(own, tensor_parallel_size=entry.tensor_parallel_size)
         return replace(
             self,
             llamacpp=llamacpp,
+            torch=own,
             backend=self.backend if self.backend != "auto" else entry.backend,
             ctx_size=self.ctx_size or entry.ctx_size,
             quant=self.quant or entry.quant or None,

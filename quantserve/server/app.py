@@ -118,6 +118,10 @@ def create_app(
         if not router.single:  # the router is up; each model's own state is in /v1/models
             return {"status": "ready", "models": {s.name: s.status for s in router.served_models.values()}}
         served = next(iter(router.served_models.values()))
+        if served.llm is not None and (fault := served.llm.fault()):
+            return error_response(
+                503, f"the model is unavailable: {fault}", "server_error", code="model_unavailable"
+            )
         if served.llm is not None:
             return {"status": "ready", "model": served.llm.name}
         if (
@@ -143,6 +147,9 @@ def create_app(
             metrics.running.labels(name).set(stats.running)
             metrics.kv_cells_used.labels(name).set(stats.kv_cells_used)
             metrics.kv_cells_cached.labels(name).set(stats.kv_cells_cached)
+            for rank, (last, total) in enumerate(stats.rank_step_seconds):
+                metrics.rank_step.labels(name, str(rank)).set(last)
+                metrics.rank_step_total.labels(name, str(rank)).set(total)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -63,6 +63,18 @@ class Metrics:
             buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
+        self.rank_step = Gauge(
+            "quantserve_rank_step_seconds",
+            "Tensor parallel: each rank's time for the last engine step, its forward and collectives",
+            ["model", "rank"],
+            registry=r,
+        )
+        self.rank_step_total = Gauge(
+            "quantserve_rank_step_seconds_total",
+            "Tensor parallel: each rank's time in engine steps since the model loaded",
+            ["model", "rank"],
+            registry=r,
+        )
         self.unloads = Counter(
             "quantserve_model_unloads",
             "Model unloads by reason (lru: room for another, keep_alive: idle, request: POST /models/unload)",

@@ -90,6 +90,13 @@ class ServerSettings(BaseModel):
         "fit the GPU's free memory with 1 GiB to spare, else as many as fit; 0 on a CPU-only build), all, or a "
         "number",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="torch backend: split the model over this many ranks (GPUs on CUDA, processes on the CPU), "
+        "each with a slice of every layer and of the KV cache (vLLM's --tensor-parallel-size)",
+    )
     rpc: str | None = Field(
         default=None,
         description="llama.cpp: RPC workers (`quantserve rpc-worker` on other machines), host:port[,host:port...]; "
@@ -104,8 +111,8 @@ class ServerSettings(BaseModel):
     )
     tensor_split: str | None = Field(
         default=None,
-        description="llama.cpp: share of the offloaded model per device, in llama.cpp's device order (GPUs, then "
-        "RPC workers as listed), e.g. 3,1 (default: by free memory)",
+        description="llama.cpp: share of the offloaded model per device, in llama.cpp's device order (RPC workers "
+        "as listed, then this machine's GPUs), e.g. 3,1 (default: by free memory)",
     )
     split_mode: Literal["layer", "row", "none"] = Field(
         default="layer",

@@ -10,7 +10,7 @@ from quantserve.core.model_size import model_shape, torch_kv
 from quantserve.core.plan import ModelPlan
 from quantserve.core.runner import Loaded, ModelInfo
 from quantserve.core.settings import EngineSettings
-from quantserve.errors import BackendUnavailableError, UnsupportedFormatError, require_torch
+from quantserve.errors import BackendUnavailableError, ConfigError, UnsupportedFormatError, require_torch
 from quantserve.formats import ModelSpec
 from quantserve.formats.hf_config import is_llava
 
@@ -99,15 +99,20 @@ class TorchBackend:
             check_tower(image_config, (spec.config or {}).get("vision_config") or {})
         device, dtype = pick_device_dtype(spec.config or {})
         tokenizer = HFTokenizer.from_dir(spec.directory)
-        model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
-        fuse_projections(model)
-        vision = None
-        if image_config is not None:
-            from quantserve.backends.torch.llava import load_vision
+        if settings.torch.tensor_parallel_size > 1:
+            runner = _load_parallel(spec, settings, tokenizer, device, image_config is not None)
+            model = runner.inner.model
+            vision = None
+        else:
+            model = load_model(spec, dtype=dtype, device=device, quant=settings.quant)
+            fuse_projections(model)
+            vision = None
+            if image_config is not None:
+                from quantserve.backends.torch.llava import load_vision
 
-            vision = load_vision(spec, model.args.hidden_size, dtype, device)
-        runner = TorchRunner(model, tokenizer, settings, device, vision, image_config, kv=plan.kv)
-        n_params = sum(p.numel() for p in model.parameters())
+                vision = load_vision(spec, model.args.hidden_size, dtype, device)
+            runner = TorchRunner(model, tokenizer, settings, device, vision, image_config, kv=plan.kv)
+        n_params = sum(p.numel() for p in model.parameters()) * settings.torch.tensor_parallel_size
         n_params += sum(p.numel() for p in vision.parameters()) if vision is not None else 0
         return Loaded(
             runner=runner,
@@ -117,6 +122,60 @@ class TorchBackend:
             bos_token=tokenizer.bos_token or "",
             eos_token=tokenizer.eos_token or "",
         )
+
+
+def load_slice(spec: ModelSpec, settings: EngineSettings, tp, device):
+    """One tensor-parallel rank's runner: its slice of the model, its share of the KV cache (backends/torch/tp.py)."""
+    import torch
+
+    from quantserve.backends.torch.fuse import fuse_projections
+    from quantserve.backends.torch.runner import TorchRunner
+    from quantserve.backends.torch.tokenizer import HFTokenizer
+    from quantserve.backends.torch.weights import load_model
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    _, dtype = pick_device_dtype(spec.config or {})
+    model = load_model(spec, dtype=dtype, device=device, quant=settings.quant, tp=tp)
+    fuse_projections(model)
+    return TorchRunner(model, HFTokenizer.from_dir(spec.directory), settings, device)
+
+
+def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device, vision: bool):
+    """Rank 0 of --tensor-parallel-size N: start the other ranks, load its own slice, and wrap it."""
+    import torch
+
+    from quantserve.backends.torch.tp import TPRunner, start_group
+
+    if vision:
+        raise ConfigError(
+            "--tensor-parallel-size with a LLaVA model: the vision tower does not run under tensor parallel yet; "
+            "serve it with --tensor-parallel-size 1",
+            param="tensor_parallel_size",
+        )
+    if device.type == "cuda":
+        n = torch.cuda.device_count()
+        if n < settings.torch.tensor_parallel_size:
+            raise ConfigError(
+                f"--tensor-parallel-size {settings.torch.tensor_parallel_size} needs as many GPUs; this machine has "
+                f"{n}",
+                param="tensor_parallel_size",
+            )
+        device = torch.device("cuda", 0)
+    from quantserve.backends.torch.args import ModelArgs
+    from quantserve.backends.torch.tp_shard import local_args
+
+    local_args(
+        ModelArgs.from_hf_config(dict(spec.config or {})), settings.torch.tensor_parallel_size
+    )  # refuse early
+    group = start_group(spec.path, settings, device)
+    try:
+        inner = load_slice(spec, settings, group.tp, device)
+        group.loaded()
+    except BaseException:
+        group.abandon()
+        raise
+    return TPRunner(inner, group)
 
 
 def _llava_vision(config: dict) -> str:

@@ -23,6 +23,7 @@ from quantserve.backends.torch.args import ModelArgs
 from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import DecodeBatch, StepBatch
+from quantserve.backends.torch.tp_shard import TensorParallel
 from quantserve.kernels import fused
 from quantserve.kernels.paged_attention import paged_decode_attention
 
@@ -226,6 +227,9 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.sandwich = args.sandwich_norms  # Gemma: a norm after attention, and before and after the MLP
+        self.tp: TensorParallel | None = (
+            None  # set for tensor parallel: attention and MLP outputs are partial sums
+        )
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -245,17 +249,23 @@ class TransformerBlock(nn.Module):
         previous layer's split MLP output, not yet added to it."""
         if self.sandwich:  # each norm's output is added to the stream, not the stream normalised in place
             x = x if residual is None else x + residual
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, step))
-            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = x + self.post_attention_layernorm(
+                self._sum(self.self_attn(self.input_layernorm(x), rope, step))
+            )
+            h = self.post_feedforward_layernorm(self._sum(self.mlp(self.pre_feedforward_layernorm(x))))
             return (h, x) if split else h + x
         if residual is None:
             h, res = self.input_layernorm(x), x
         else:
             h, res = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, step)
+        h = self._sum(self.self_attn(h, rope, step))
         h, res = self.post_attention_layernorm(h, res)
-        h = self.mlp(h)
+        h = self._sum(self.mlp(h))
         return (h, res) if split else h + res
+
+    def _sum(self, h: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallel each rank's row-parallel o_proj / down_proj gives a partial sum: add them up."""
+        return h if self.tp is None else self.tp.all_reduce(h)
 
 
 class Backbone(nn.Module):
@@ -276,6 +286,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.tp: TensorParallel | None = None  # set for tensor parallel (backends/torch/tp.py)
         self.rotary = RotaryEmbedding(args)
         # gemma3: the windowed layers' own rope base, without the global layers' scaling
         self.rotary_local = (
@@ -297,7 +308,11 @@ class Transformer(nn.Module):
             max_position = input_ids.shape[-1] - 1
         rope = self.rotary(positions, max_position)  # once, for every layer
         local = self.rotary_local(positions, max_position) if self.rotary_local is not None else rope
-        x = self.model.embed_tokens(input_ids)
+        x = (
+            self.model.embed_tokens(input_ids)
+            if self.tp is None
+            else self.tp.embed(self.model.embed_tokens, input_ids)
+        )
         if self.args.embed_scale:  # Gemma: sqrt(hidden), rounded to the model's dtype as transformers does
             x = x * torch.tensor(self.args.hidden_size**0.5, dtype=x.dtype)
         # each image position takes its image's embedding instead of its token's
@@ -317,6 +332,8 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
+        if self.tp is not None:  # each rank has a slice of the vocabulary
+            logits = self.tp.gather_vocab(logits, self.args.vocab_size)
         if cap := self.args.final_softcap:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap
         return logits

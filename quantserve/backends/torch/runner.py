@@ -126,7 +126,11 @@ class TorchRunner:
                 (num_blocks + 1) * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
             )
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
+        # a tensor-parallel rank other than 0 computes its share of the logits (for the gather) and samples nothing
+        self.samples = model.tp is None or model.tp.rank == 0
+        if model.tp is not None and device.type == "cuda":
+            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs around the all-reduces yet)")
+        elif device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
             looped = any(isinstance(x.mlp, SparseMoe) and x.mlp.grouped is None for x in model.model.layers)
             if looped or dict(a.rope_scaling).get("rope_type") == "longrope":
                 # experts looped over route on the host; LongRoPE picks its table by the step's longest position
@@ -208,6 +212,8 @@ class TorchRunner:
                 hidden = self.model(step.input_ids, step.positions, step, max_position=top)  # [T, D]
                 if step.sampled:
                     logits = self.model.compute_logits(hidden[step.logits_index])  # [S, V] fp32
+                    if not self.samples:
+                        return [None] * len(plan)
                     sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
         results: list[SampledToken | None] = [None] * len(plan)
         for k, tok in zip(step.sampled, sampled, strict=True):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from quantserve.backends.torch import llava
 from quantserve.backends.torch.archs import LOAD_QUANTS
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
+from quantserve.backends.torch.tp_shard import Shards, TensorParallel, local_args
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import ModelSpec
 from quantserve.formats.hf_config import is_llava
@@ -28,13 +29,21 @@ log = logging.getLogger("quantserve.torch")
 
 
 def _empty_model(
-    args: ModelArgs, dtype: torch.dtype, device: torch.device, drop: list[str] | tuple[str, ...] = ()
+    args: ModelArgs,
+    dtype: torch.dtype,
+    device: torch.device,
+    drop: list[str] | tuple[str, ...] = (),
+    vocab_rows: int = 0,
 ) -> Transformer:
     """A model with uninitialised parameters in `dtype` (no time spent on random init), rotary tables computed.
     The linears in `drop` (quantized ones, replaced by QuantLinear right after) get no dense storage: an
-    nn.Identity holds their place until then."""
+    nn.Identity holds their place until then. `vocab_rows`: a tensor-parallel rank's rows of the embedding and
+    output layer (0: the whole vocabulary)."""
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
+        if vocab_rows:
+            model.model.embed_tokens = nn.Embedding(vocab_rows, args.hidden_size, dtype=dtype)
+            model.lm_head = nn.Linear(args.hidden_size, vocab_rows, bias=False, dtype=dtype)
         for prefix in drop:
             _set_module(model, prefix, nn.Identity())
     model = model.to_empty(device=device)
@@ -109,13 +118,20 @@ def decoder_linears(model: Transformer) -> list[str]:
 
 
 def load_model(
-    spec: ModelSpec, *, dtype: torch.dtype, device: torch.device, quant: str | None = None
+    spec: ModelSpec,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: str | None = None,
+    tp: TensorParallel | None = None,
 ) -> Transformer:
-    """The model for `spec` (dense or quantized safetensors) on `device`.
+    """The model for `spec` (dense or quantized safetensors) on `device`; with `tp`, this rank's slice of it
+    (backends/torch/tp_shard.py).
 
     Raises:
         ModelFileError: tensors missing or of the wrong shape.
-        ConfigError: `quant` is not something the torch backend applies at load.
+        ConfigError: `quant` is not something the torch backend applies at load; a model that does not split
+            over tp.world ranks (the dimension named).
     """
     t0 = time.perf_counter()
     config = spec.config or {}
@@ -124,6 +140,14 @@ def load_model(
     else:
         args = ModelArgs.from_hf_config(config)
         name = args.our_name
+    shards = Shards(args, tp.rank, tp.world) if tp is not None else None
+    if shards is not None:
+        args = local_args(args, shards.world)
+    vocab_rows = shards.vocab_rows(args.vocab_size) if shards is not None else 0
+
+    def cut(n: str, t: torch.Tensor) -> torch.Tensor:
+        return t if shards is None else shards.dense(n, t)
+
     if quant and spec.scheme is not None:
         raise ConfigError(
             f"{spec.path} is already {spec.format}-quantized; drop --quant {quant}", param="quant"
@@ -151,25 +175,32 @@ def load_model(
                     f"{spec.path} quantizes the vision side ({vision[0]}, …); the torch backend runs the vision "
                     "tower and projector in full precision only. Quantize the language model alone."
                 )
-            model = _empty_model(args, dtype, device, drop=list(prefixes))
+            model = _empty_model(args, dtype, device, drop=list(prefixes), vocab_rows=vocab_rows)
             for prefix, theirs in tqdm(prefixes.items(), desc="repack to Marlin", unit="linear", leave=False):
                 qw, bias = ckpt.read_linear(theirs), ckpt.read_bias(theirs)
+                if shards is not None:
+                    qw = shards.quantized(prefix, qw)
+                    bias = None if bias is None else shards.dense(prefix + ".bias", bias)
                 layer = QuantLinear.from_quantized(qw, bias, dtype=dtype, device=device, name=prefix)
                 _set_module(model, prefix, layer)
             params = dict(model.named_parameters(remove_duplicate=False))
             skip = {n for n in params if n.rsplit(".", 1)[0] in prefixes}
             dense = {name(n): n for n in ckpt.dense_names()}
-            _fill_dense(model, set(dense), lambda n: ckpt.read_dense(dense[n]), skip)
+            _fill_dense(model, set(dense), lambda n: cut(n, ckpt.read_dense(dense[n])), skip)
     elif spec.format == "safetensors":
-        model = _empty_model(args, dtype, device)
+        model = _empty_model(args, dtype, device, vocab_rows=vocab_rows)
         files = _SafetensorsFiles(spec.files)
         dense = {name(n): n for n in files.where}
-        _fill_dense(model, set(dense), lambda n: files.read(dense[n]), skip=set())
+        _fill_dense(model, set(dense), lambda n: cut(n, files.read(dense[n])), skip=set())
         if quant:
-            _quantize_in_place(model, dtype, device)
+            _quantize_in_place(model, dtype, device, shards)
     else:
         raise ConfigError(f"the torch backend cannot serve {spec.format} files; use --backend llamacpp")
     model.eval()
+    if tp is not None:
+        model.tp = tp
+        for layer in model.model.layers:
+            layer.tp = tp
     log.info(
         "torch model %s (%s, %d layers) loaded on %s as %s in %.1fs",
         spec.path,
@@ -182,15 +213,26 @@ def load_model(
     return model
 
 
-def _quantize_in_place(model: Transformer, dtype: torch.dtype, device: torch.device) -> None:
-    """--quant int4: RTN 4-bit symmetric per group (128, or 64 / -1 where K needs it), then Marlin."""
+def _quantize_in_place(
+    model: Transformer, dtype: torch.dtype, device: torch.device, shards: Shards | None = None
+) -> None:
+    """--quant int4: RTN 4-bit symmetric per group (128, or 64 / -1 where K needs it), then Marlin. A
+    tensor-parallel slice gets the whole layer's group size, so that it quantizes exactly as one rank would."""
     from quantserve.backends.torch.quant_linear import QuantLinear
     from quantserve.quant.rtn import quantize_rtn
 
     for prefix in tqdm(decoder_linears(model), desc="quantize int4 (RTN)", unit="linear", leave=False):
         lin = model.get_submodule(prefix)
         k = lin.in_features
-        group = next((g for g in (128, 64, 32) if k % g == 0), -1)
+        row = shards is not None and shards.kind(prefix) == "row"
+        whole = k * shards.world if row else k
+        group = next((g for g in (128, 64, 32) if whole % g == 0), -1)
+        if row and (group == -1 or k % group):
+            raise ConfigError(
+                f"{prefix}: its K = {whole} input features split over {shards.world} ranks are {k} each, not a "
+                f"multiple of the int4 group size {group}; use a --tensor-parallel-size that keeps whole groups",
+                param="tensor_parallel_size",
+            )
         qw = quantize_rtn(lin.weight.detach().float(), bits=4, group_size=group, sym=True)
         bias = lin.bias.detach() if lin.bias is not None else None
         _set_module(

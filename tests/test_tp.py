@@ -1,0 +1,196 @@
+"""Tensor parallel on two gloo ranks (this process and one it starts) against one rank, on the same weights: the prompt
+log-probabilities within 1e-4 and the greedy tokens equal, with 4 requests batched, chunked prefill and prefix
+caching on; dense, int4 at load, a GPTQ checkpoint, and a Qwen3-MoE. What cannot split is refused by name."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from quantserve.backends.torch.backend import TorchBackend
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
+from quantserve.core.settings import EngineSettings
+from quantserve.engine.kv import make_kv
+from quantserve.engine.llm_engine import LLMEngine
+from quantserve.engine.scheduler import SchedulerConfig
+from quantserve.errors import ConfigError
+from quantserve.formats import detect
+
+# k/v 64 wide per rank at TP=2 (Marlin's tiles are 64 columns); groups of 32 split evenly along K
+SIZES = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2)  # fmt: skip
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "1, 2, 3, 4,",
+    "Once upon a time there was a " * 6,
+]
+
+
+def _save(model, path, smollm2_hf):
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(smollm2_hf / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(smollm2_hf, tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES))
+    return _save(model, tmp_path_factory.mktemp("tp") / "llama", smollm2_hf)
+
+
+def load(path, world: int, **options):
+    settings = EngineSettings.from_options(
+        backend="torch", ctx_size=256, kv_size=1024, max_num_seqs=4, threads=1, tensor_parallel_size=world,
+        **options,
+    )  # fmt: skip
+    backend = TorchBackend()
+    return backend.load(backend.plan(detect(path), settings, "test")).runner
+
+
+def greedy(runner, prompts: list[str], max_tokens: int = 12) -> list[list[int]]:
+    """4 requests at once, 16 tokens a step (chunked prefill beside decode), prefix caching on."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_queue_len=64)
+    engine = LLMEngine(runner, config, make_kv(runner.kv_spec, prefix_caching=True))
+    outs = {}
+    for i, p in enumerate(prompts):
+        ids = runner.tokenize(p, add_special=True, parse_special=False)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine.add(Sequence(str(i), ids, sp, IncrementalDetokenizer(), max_total_tokens=runner.n_ctx))
+        outs[str(i)] = []
+    while engine.has_work():
+        for out in engine.step():
+            outs[out.request_id].extend(out.token_ids)
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # cached blocks count as free: nothing leaked
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+def compare(path, **options):
+    """TP=2 against TP=1: prompt log-probabilities (< 1e-4 of their scale) and greedy tokens."""
+    tokens = list(range(1000, 1040))
+    results = {}
+    for world in (1, 2):
+        runner = load(path, world, **options)
+        attn = getattr(runner, "inner", runner).model.model.layers[0].self_attn
+        assert (attn.n_heads, attn.n_kv) == (
+            8 // world,
+            4 // world,
+        )  # this rank's slice; the other has the rest
+        try:
+            results[world] = (torch.from_numpy(runner.score(tokens, 0)), greedy(runner, PROMPTS))
+        finally:
+            runner.close()
+    (one, tok1), (two, tok2) = results[1], results[2]
+    assert (two - one).abs().max().item() < 1e-4 * one.abs().max().item()
+    assert tok1 == tok2 and all(len(t) == 12 for t in tok1)
+
+
+def test_dense_llama(llama):
+    compare(llama)
+
+
+def test_int4_at_load(llama):
+    compare(llama, quant="int4")
+
+
+def test_gptq_checkpoint(llama, tmp_path):
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+
+    tokens = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantize_checkpoint(llama, tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(llama / name, tmp_path / "q" / name)
+    compare(tmp_path / "q")
+
+
+def test_qwen3_moe(smollm2_hf, tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        **{k: v for k, v in SIZES.items() if k != "intermediate_size"}, intermediate_size=512,
+        moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+    )  # fmt: skip
+    compare(_save(transformers.Qwen3MoeForCausalLM(config), tmp_path / "moe", smollm2_hf))
+
+
+def test_what_cannot_split_is_refused_by_name(llama, smollm2_hf, tmp_path):
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+
+    with pytest.raises(ConfigError, match="4 KV heads .*do not split evenly over 8 ranks|8 attention heads"):
+        load(llama, 3)
+    # o_proj's K = 256 over 2 ranks is 128 each, not a multiple of 96... groups of 128 over K = 192 cannot split
+    torch.manual_seed(0)
+    odd = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, "intermediate_size": 384}))
+    src = _save(odd, tmp_path / "odd", smollm2_hf)
+    tokens = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    quantize_checkpoint(src, tmp_path / "q", "rtn", group_size=128, calib_tokens=tokens, progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / name, tmp_path / "q" / name)
+    with pytest.raises(
+        ConfigError, match=r"down_proj: its K = 384 .* 192 each, not a multiple of its group size 128"
+    ):
+        load(tmp_path / "q", 2)
+
+
+def test_a_dead_rank_fails_the_stream_then_503(llama, tmp_path):
+    """`quantserve run --tensor-parallel-size 2` answers through the official client and reports each rank's step
+    time; killing rank 1 mid-stream ends the stream with an error naming it, and new requests get 503 naming it
+    at once, /readyz too. `quantserve bench` reads the per-rank times."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from tests.conftest import ROOT, start_server
+
+    srv = start_server(
+        tmp_path, str(llama), "--backend", "torch", "--tensor-parallel-size", "2", "--ctx-size", "512"
+    )
+    try:
+        pid = int(re.search(r"ranks 1-1 are pids (\d+)", srv.log()).group(1))
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="-", max_retries=0, timeout=60)
+        first = client.completions.create(model="llama", prompt="Hello", max_tokens=4, temperature=0)
+        assert first.usage.completion_tokens == 4
+        bench = subprocess.run(
+            [sys.executable, "-m", "quantserve.cli", "bench", "--url", srv.base_url, "-c", "2", "--num-requests", "2",
+             "--max-tokens", "8"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+        )  # fmt: skip
+        assert re.search(r"per rank: rank 0 [\d.]+ s, rank 1 [\d.]+ s", bench.stdout), (
+            bench.stdout + bench.stderr
+        )
+        metrics = httpx.get(srv.base_url + "/metrics").text
+        assert "quantserve_rank_step_seconds_total{model=" in metrics and 'rank="1"' in metrics
+        stream = client.completions.create(
+            model="llama", prompt="Once", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )  # fmt: skip
+        got = 0
+        with pytest.raises(
+            openai.APIError, match=f"tensor-parallel rank 1 \\(pid {pid}\\) killed by SIGKILL"
+        ):
+            for _ in stream:
+                got += 1
+                if got == 5:
+                    os.kill(pid, signal.SIGKILL)
+                    t0 = time.monotonic()
+        assert got < 400 and time.monotonic() - t0 < 30
+        t1 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model="llama", prompt="Hello", max_tokens=4)
+        assert err.value.status_code == 503 and f"rank 1 (pid {pid})" in err.value.message
+        assert time.monotonic() - t1 < 5
+        ready = httpx.get(srv.base_url + "/readyz")
+        assert ready.status_code == 503 and "rank 1" in ready.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0
