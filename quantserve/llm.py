@@ -342,7 +342,9 @@ class LLM:
         """The engine's queue and KV occupancy now, for /metrics."""
         e = self._engine
         ranks = getattr(self._runner, "rank_step_seconds", list)()
-        return EngineStats(e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached, tuple(ranks))
+        return EngineStats(
+            e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached, e.steps, tuple(ranks)
+        )
 
     def fault(
         self,

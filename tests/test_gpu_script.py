@@ -37,6 +37,7 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(smollm2_hf, tmp_path):
         "moe-layer",
         "moe-decode",
         "gemma-decode",
+        "tp-nccl",
     ]
     assert all(s["ok"] for s in steps.values())
     tests = steps["cuda-tests"]["result"]

@@ -51,12 +51,14 @@ class Worker:
         ]
         self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while (
+            time.monotonic() < deadline
+        ):  # listening: a connection is taken (a greeting could wait its turn)
             assert self.proc.poll() is None, self.log()
             try:
-                hello(self.endpoint, 1.0)
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return
-            except WorkerError:
+            except OSError:
                 time.sleep(0.2)
         raise RuntimeError(f"worker not up:\n{self.log()}")
 
@@ -158,10 +160,10 @@ def workers(tmp_path_factory):
         w.kill()
 
 
-def _paris(base_url: str) -> str:
+def _paris(base_url: str, key: str = "-") -> str:
     import openai
 
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="-", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=120)
     r = client.chat.completions.create(model="smollm2", messages=PARIS, max_tokens=16, temperature=0)
     return r.choices[0].message.content
 
@@ -190,25 +192,38 @@ def test_rpc_answers_as_the_local_run(workers, client, tmp_path):
     assert sum(sizes.values()) > 80  # most of SmolLM2's 98 MB; the token embeddings stay in the server
     # split by free memory (the same machine's for both): half the layers each, and the output on the last
     assert sizes[str(workers[0].endpoint)] < sizes[str(workers[1].endpoint)]
-    for w in workers:
-        assert "Accepted client connection" in w.log()
+    for w in workers:  # the fixture's own connection, then the server's
+        assert w.log().count("Accepted client connection") >= 2
 
 
 def test_a_dead_worker_fails_the_stream_then_503_then_recovers(workers, tmp_path):
     """Killing a worker mid-stream ends the stream with an error event naming it; new requests get 503 in each
-    API's shape naming it, /readyz turns 503; a restarted worker brings the model back. --tensor-split 3,1
-    puts three quarters of the layers on the first worker."""
+    API's shape naming it, /readyz turns 503; a restarted worker brings the model back. A worker that stops
+    answering (SIGSTOP: its connection stays open) is found by the watchdog within --rpc-timeout. --tensor-split
+    3,1 puts three quarters of the layers on the first worker."""
+    import signal
+
     import openai
 
     first, second = workers
     srv = start_server(
-        tmp_path, "smollm2", "--rpc", f"{first.endpoint},{second.endpoint}", "--tensor-split", "3,1"
+        tmp_path,
+        "smollm2",
+        "--rpc",
+        f"{first.endpoint},{second.endpoint}",
+        "--tensor-split",
+        "3,1",
+        "--api-key",
+        "k",
+        "--rpc-timeout",
+        "4",
     )
+    key = {"Authorization": "Bearer k"}
     try:
         # by default (test_rpc_answers_as_the_local_run) the second holds more: half the layers and the output
         sizes = dict(re.findall(r"RPC\d+\[([\d.:]+)\] model buffer size = +([\d.]+) MiB", srv.log()))
         assert float(sizes[str(first.endpoint)]) > float(sizes[str(second.endpoint)])
-        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="-", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="k", max_retries=0, timeout=60)
         stream = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=400,
             temperature=0, stream=True,
@@ -225,10 +240,9 @@ def test_a_dead_worker_fails_the_stream_then_503_then_recovers(workers, tmp_path
         with pytest.raises(openai.APIStatusError) as err:
             client.chat.completions.create(model="smollm2", messages=PARIS, max_tokens=4)
         assert err.value.status_code == 503 and str(second.endpoint) in err.value.message
-        anthropic = httpx.post(
-            srv.base_url + "/v1/messages",
-            json={"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
-        )
+        body = {"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+        assert httpx.post(srv.base_url + "/v1/messages", json=body).status_code == 401  # no key: nothing told
+        anthropic = httpx.post(srv.base_url + "/v1/messages", json=body, headers={"x-api-key": "k"})
         assert anthropic.status_code == 503 and anthropic.json()["type"] == "error"
         assert str(second.endpoint) in anthropic.json()["error"]["message"]
         ready = httpx.get(srv.base_url + "/readyz")
@@ -241,7 +255,30 @@ def test_a_dead_worker_fails_the_stream_then_503_then_recovers(workers, tmp_path
         while httpx.get(srv.base_url + "/readyz").status_code != 200:
             assert time.monotonic() < deadline, srv.log()
             time.sleep(0.5)
-        assert "Paris" in _paris(srv.base_url)
+        assert "Paris" in _paris(srv.base_url, "k")
+        models = httpx.get(srv.base_url + "/v1/models?x=1&x=2", headers=key)  # a query string goes through
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "smollm2"
+
+        hung = workers[1]
+        stream = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=400,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        got = 0
+        with pytest.raises(
+            openai.APIError, match=f"RPC worker {hung.endpoint} did not answer.*no progress for 4 s"
+        ):
+            for _ in stream:
+                got += 1
+                if got == 5:
+                    hung.proc.send_signal(signal.SIGSTOP)
+                    t0 = time.monotonic()
+        assert time.monotonic() - t0 < 4 + 2 * 5 + 5  # the timeout, two looks of the watchdog, the kill
+        hung.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 90
+        while httpx.get(srv.base_url + "/readyz").status_code != 200:
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.5)
     finally:
         srv.stop()
 
@@ -273,3 +310,37 @@ def test_router_mode_refuses_rpc(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "far: a model on RPC workers is served alone" in r.stderr
+
+
+def test_stream_errors_take_each_api_shape():
+    """The event that ends a stream the model stopped in, as each API's clients read it."""
+    import json
+
+    from quantserve.server.supervisor import _progress, stream_error
+
+    openai_ev = stream_error("/v1/chat/completions", "gone", 3).decode()
+    assert json.loads(openai_ev.split("\n\n")[0].removeprefix("data: "))["error"]["message"] == "gone"
+    assert openai_ev.endswith("data: [DONE]\n\n")
+    head, data = stream_error("/v1/messages", "gone", 3).decode().split("\n", 1)
+    assert head == "event: error" and json.loads(data.removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "api_error", "message": "gone"}
+    }  # fmt: skip
+    head, data = stream_error("/v1/responses", "gone", 7).decode().split("\n", 1)
+    event = json.loads(data.removeprefix("data: "))
+    assert head == "event: error" and event["type"] == "error" and event["sequence_number"] == 7
+    assert event["message"] == "gone"
+    assert json.loads(stream_error("/api/chat", "gone", 0)) == {"error": "gone"}
+    metrics = (
+        'quantserve_engine_steps{model="m"} 41.0\nquantserve_running_sequences{model="m"} 1.0\n'
+        'quantserve_queue_depth{model="m"} 0.0\n'
+    )
+    assert _progress(metrics) == (True, 41.0)
+    assert _progress(metrics.replace("} 1.0", "} 0.0")) == (False, 41.0)
+
+
+def test_rpc_with_the_torch_backend_is_refused(tiny_llama_hf):
+    r = subprocess.run(
+        [sys.executable, "-m", "quantserve.cli", "run", str(tiny_llama_hf), "--backend", "torch", "--rpc", "127.0.0.1:9"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--rpc puts llama.cpp's layers on other machines" in r.stderr

@@ -48,9 +48,9 @@ def llama(smollm2_hf, tmp_path_factory):
 
 
 def load(path, world: int, **options):
+    options = {"threads": 1, **options}
     settings = EngineSettings.from_options(
-        backend="torch", ctx_size=256, kv_size=1024, max_num_seqs=4, threads=1, tensor_parallel_size=world,
-        **options,
+        backend="torch", ctx_size=256, kv_size=1024, max_num_seqs=4, tensor_parallel_size=world, **options
     )  # fmt: skip
     backend = TorchBackend()
     return backend.load(backend.plan(detect(path), settings, "test")).runner
@@ -155,12 +155,23 @@ def test_a_dead_rank_fails_the_stream_then_503(llama, tmp_path):
 
     from tests.conftest import ROOT, start_server
 
+    # the forward's collectives time out after 3 s here; the ranks idle longer than that between requests
+    env = {"QUANTSERVE_TP_TIMEOUT": "3"}
     srv = start_server(
-        tmp_path, str(llama), "--backend", "torch", "--tensor-parallel-size", "2", "--ctx-size", "512"
+        tmp_path,
+        str(llama),
+        "--backend",
+        "torch",
+        "--tensor-parallel-size",
+        "2",
+        "--ctx-size",
+        "512",
+        env=env,
     )
     try:
         pid = int(re.search(r"ranks 1-1 are pids (\d+)", srv.log()).group(1))
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="-", max_retries=0, timeout=60)
+        time.sleep(5)  # idle past the timeout: the ranks wait for orders on a group of their own
         first = client.completions.create(model="llama", prompt="Hello", max_tokens=4, temperature=0)
         assert first.usage.completion_tokens == 4
         bench = subprocess.run(
@@ -175,7 +186,7 @@ def test_a_dead_rank_fails_the_stream_then_503(llama, tmp_path):
         stream = client.completions.create(
             model="llama", prompt="Once", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )  # fmt: skip
-        got = 0
+        got, t0 = 0, time.monotonic()
         with pytest.raises(
             openai.APIError, match=f"tensor-parallel rank 1 \\(pid {pid}\\) killed by SIGKILL"
         ):

@@ -71,6 +71,8 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     moe = [py, str(ROOT / "bench/moe_gemm.py")]
     moe_decode = decode + ["--shape", "qwen3-30b-a3b"]
     gemma_decode = decode + ["--shape", "gemma3-12b"]
+    tp = Step("tp-nccl", [py, str(ROOT / "bench/gpu/tp_nccl.py"), "--out", str(out / "tp-nccl.json")], 90,
+              "tp-nccl.json")  # fmt: skip
     env = Step("env", [py, str(ROOT / "bench/gpu/env_info.py"), str(out / "env.json")], 30, "env.json")
     if smoke:
         # On the CPU every `cuda` test skips: this proves the files collect without a GPU or llama.cpp.
@@ -109,6 +111,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                 240,
                 "gemma-decode.json",
             ),  # fmt: skip
+            tp,
         ]
     # The numbers first: a step that overruns only cuts what comes after it.
     return [
@@ -150,6 +153,8 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
             "gemma-decode.json",
         ),
         Step("serve", serve, 60, "serve.json"),
+        # tensor parallel's NCCL path at TP=1 (one GPU cannot run TP=2) against the plain runner
+        tp,
         # last, with what time is left: launch configs around the heuristic on the large shapes
         Step(
             "gemm-sweep",

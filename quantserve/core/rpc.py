@@ -50,10 +50,12 @@ def parse_endpoints(text: str | list[str] | tuple[str, ...]) -> tuple[Endpoint, 
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")
     found: list[Endpoint] = []
     for raw in (s.strip() for s in items):
-        host, sep, port = raw.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        host, sep, port = raw.partition(":")  # as the C client splits it: at the first colon
+        if not sep or not host or "[" in host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(
-                f"--rpc {raw!r}: give each worker as host:port, e.g. 192.168.1.20:{DEFAULT_PORT}", param="rpc"
+                f"--rpc {raw!r}: give each worker as host:port, e.g. 192.168.1.20:{DEFAULT_PORT} (llama.cpp's RPC "
+                "client speaks IPv4 only)",
+                param="rpc",
             )
         end = Endpoint(host, int(port))
         if end in found:
@@ -93,8 +95,12 @@ def hello(endpoint: Endpoint, timeout: float = 3.0) -> tuple[int, int, int]:
             only once that client leaves), or an answer that is not the greeting's.
     """
     try:
-        with socket.create_connection((endpoint.host, endpoint.port), timeout=timeout) as sock:
+        # the C client resolves the host to IPv4 and tries its first address only: so does this
+        family, kind, proto, _, address = socket.getaddrinfo(endpoint.host, endpoint.port, socket.AF_INET,
+                                                             socket.SOCK_STREAM)[0]  # fmt: skip
+        with socket.socket(family, kind, proto) as sock:
             sock.settimeout(timeout)
+            sock.connect(address)
             sock.sendall(struct.pack("<BQ", HELLO, CAPS) + bytes(CAPS))
             answer = _recv(sock, 8)
             (size,) = struct.unpack("<Q", answer)
@@ -116,6 +122,8 @@ def hello(endpoint: Endpoint, timeout: float = 3.0) -> tuple[int, int, int]:
             "refused the connection: no worker listens there; start one with "
             f"`quantserve rpc-worker --port {endpoint.port}` on that machine",
         ) from None
+    except socket.gaierror as exc:
+        raise WorkerError(endpoint, f"cannot be resolved to an IPv4 address: {exc.strerror or exc}") from None
     except OSError as exc:
         raise WorkerError(endpoint, f"is unreachable: {exc.strerror or exc}") from None
     return major, minor, patch

@@ -162,6 +162,7 @@ class EngineStats:
     running: int
     kv_cells_used: int  # KV cells holding tokens (llama.cpp's own count where it keeps one)
     kv_cells_cached: int  # of those, cells kept only as prefix cache
+    steps: int = 0  # engine steps run since the model loaded
     # tensor parallel: each rank's (last step, all steps) in seconds; empty for one process
     rank_step_seconds: tuple[tuple[float, float], ...] = ()
 

@@ -42,6 +42,7 @@ class AsyncEngine:
         # keeps one, else the ledger's), and the cells the ledger keeps as prefix cache. With nothing running they
         # must be equal (no leaked KV).
         self.kv_cells_used = 0
+        self.steps = 0  # engine steps run, in all (a supervisor watches it move while work is pending)
         self.kv_cells_cached = 0
         self._thread = threading.Thread(target=self._run, name="quantserve-engine", daemon=True)
         self._thread.start()
@@ -127,6 +128,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._num_waiting = len(eng.scheduler.waiting)
+            self.steps += 1
             if outputs:
                 self._deliver(outputs)
 

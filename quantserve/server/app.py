@@ -147,6 +147,7 @@ def create_app(
             metrics.running.labels(name).set(stats.running)
             metrics.kv_cells_used.labels(name).set(stats.kv_cells_used)
             metrics.kv_cells_cached.labels(name).set(stats.kv_cells_cached)
+            metrics.steps.labels(name).set(stats.steps)
             for rank, (last, total) in enumerate(stats.rank_step_seconds):
                 metrics.rank_step.labels(name, str(rank)).set(last)
                 metrics.rank_step_total.labels(name, str(rank)).set(total)

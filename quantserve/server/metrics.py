@@ -63,6 +63,9 @@ class Metrics:
             buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
+        self.steps = Gauge(
+            "quantserve_engine_steps", "Engine steps run since the model loaded", _M, registry=r
+        )
         self.rank_step = Gauge(
             "quantserve_rank_step_seconds",
             "Tensor parallel: each rank's time for the last engine step, its forward and collectives",

@@ -48,6 +48,13 @@ def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
                 f"worker fault cannot take down; run it with `quantserve run NAME`",
                 param="rpc",
             )
+        split = [n for n, e in registry.entries.items() if (e.tensor_parallel_size or 1) > 1]
+        if split or settings.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"{', '.join(split) or '--tensor-parallel-size'}: a tensor-parallel model is served alone (its ranks "
+                "hold the process's one process group); run it with `quantserve run NAME`",
+                param="tensor_parallel_size",
+            )
         log.info(
             "quantserve %s: router mode, models from %s", __version__, settings.models_file or "models.toml"
         )
@@ -68,6 +75,12 @@ def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
         rpc = settings.rpc or resolved.entry.rpc
         # the plan validates the files (before llama.cpp ever opens them) and the settings, before listening
         plan = LLM.plan_for(resolved, settings.engine_settings())
+        if rpc and plan.backend != "llamacpp":
+            raise ConfigError(
+                f"--rpc puts llama.cpp's layers on other machines, and {resolved.name} runs on the {plan.backend} "
+                "backend; add --backend llamacpp, or drop --rpc",
+                param="rpc",
+            )
         log.info(
             "quantserve %s: model %s -> %s (%s, backend %s)",
             __version__,

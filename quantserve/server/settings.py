@@ -106,8 +106,8 @@ class ServerSettings(BaseModel):
     rpc_timeout: float = Field(
         default=300.0,
         gt=0,
-        description="with --rpc: seconds a request may wait for its next byte from the model before its workers "
-        "count as hung, and the model restarts",
+        description="with --rpc: seconds the model's engine may have work without finishing a step before its "
+        "workers count as hung, and the model restarts",
     )
     tensor_split: str | None = Field(
         default=None,

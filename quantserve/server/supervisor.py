@@ -8,8 +8,10 @@ a child that serves the model (the ordinary server, on a Unix socket of its own)
 - new requests get 503 in their API's shape, naming it, and /readyz turns 503;
 - the workers are greeted every RETRY_S seconds, and once all answer the child starts again and loads the model.
 
-A request that gets no byte from the child for --rpc-timeout seconds counts as a hung worker (one that stopped
-answering without closing its connection): the child is killed, and the same happens.
+A worker that stops answering without closing its connection leaves the child's engine stuck in a step. The
+supervisor reads the child's /metrics every WATCH_S seconds: an engine with work that has not finished a step for
+--rpc-timeout seconds is killed, and the same happens. A first start that refuses the model itself (exit code 2,
+its reason in the log) stops the server, as a model that fails to load does without --rpc; a crash loop backs off.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -40,12 +44,14 @@ from quantserve.server.errors import (
     error_body,
     error_response,
 )
+from quantserve.server.middleware import ApiKeyMiddleware
 from quantserve.server.settings import ServerSettings
 
 log = logging.getLogger("quantserve.server")
 
 CHILD_ENV = "QUANTSERVE_SUPERVISED"  # JSON {"socket": path, "settings": {...}}: this process is the child
 RETRY_S = 2.0  # between greetings of the workers while the model is down
+WATCH_S = 5.0  # between looks at the child's engine progress
 GREET_S = 2.0  # a greeting's timeout
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 _STREAMS = ("text/event-stream", "application/x-ndjson")
@@ -62,11 +68,8 @@ def stream_error(path: str, message: str, events_sent: int) -> bytes:
     if path.startswith(OLLAMA_ROUTES):
         return json.dumps({"error": message}).encode() + b"\n"
     if path.startswith("/v1/responses"):
-        body = {
-            "type": "error",
-            "sequence_number": events_sent,
-            **error_body(message, "server_error")["error"],
-        }
+        fields = {k: v for k, v in error_body(message, "server_error")["error"].items() if k != "type"}
+        body = {"type": "error", "sequence_number": events_sent, **fields}
         return b"event: error\ndata: " + json.dumps(body).encode() + b"\n\n"
     return b"data: " + json.dumps(error_body(message, "server_error")).encode() + b"\n\ndata: [DONE]\n\n"
 
@@ -84,84 +87,98 @@ class Supervisor:
         self.reason = "the model is loading"
         self.code = "model_loading"
         self.down = asyncio.Event()  # set while no child serves
-        self.fatal: int | None = None  # the exit code when the model cannot load at all
         self.stderr_tail: deque[str] = deque(maxlen=30)
         self.restarts = 0
-        self._task: asyncio.Task | None = None
+        self.killed: str | None = None  # why the watchdog stopped the child
+        self._tasks: list[asyncio.Task] = []
 
     def start(self, on_fatal) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(on_fatal))
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run(on_fatal)), loop.create_task(self._watchdog())]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         await self._kill(grace=self.settings.graceful_timeout)
-        with contextlib.suppress(OSError):
-            os.unlink(self.socket)
-            os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     async def _kill(self, grace: float = 0.0) -> None:
+        """Stop the child and whatever it started (its own session: a probe, a conversion)."""
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
-        proc.send_signal(signal.SIGTERM if grace else signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM if grace else signal.SIGKILL)
         try:
             await asyncio.wait_for(proc.wait(), timeout=grace or 10)
         except TimeoutError:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
 
-    async def hung(self, why: str) -> None:
-        """A request saw no byte for --rpc-timeout: the child is stuck on a worker; kill it and restart."""
-        if self.ready:
-            log.error("the model process is stuck (%s); killing it", why)
-            self.reason = f"the model stopped answering ({why})"
-            await self._kill()
-
     async def _run(self, on_fatal) -> None:
+        """Start the child, wait for it to end, say why, wait for the workers, start it again."""
         env = dict(os.environ)
-        env[CHILD_ENV] = json.dumps({"socket": self.socket, "settings": self.settings.model_dump()})
+        env[CHILD_ENV] = json.dumps(
+            {"socket": self.socket, "parent": os.getpid(), "settings": self.settings.model_dump()}
+        )
         env.setdefault(
             "GGML_NO_BACKTRACE", "1"
         )  # an abort prints its reason, not a gdb session, and dies at once
+        failures = 0
         while True:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.socket)
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "quantserve.server.supervisor",
-                env=env,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C in the terminal reaches this process, which stops the child
-            )
-            relay = asyncio.get_running_loop().create_task(self._relay(self.proc))
-            waiter = asyncio.get_running_loop().create_task(self.proc.wait())
-            became_ready = await self._wait_ready(waiter)
-            rc = await waiter
-            await relay
+            try:
+                became_ready, how, rc = await self._one_child(env)
+                if not became_ready and rc == 2 and not self.restarts:
+                    # the first start refused the model itself (its error is in the log above): as without --rpc
+                    self.reason, self.code = "the model failed to load", "model_load_failed"
+                    on_fatal()
+                    return
+                self.reason = await asyncio.to_thread(self._diagnose, how)
+            except Exception as exc:  # noqa: BLE001 - supervision goes on whatever went wrong
+                log.exception("the model process could not be run")
+                self.reason = f"the model process could not be run: {exc}"
+                became_ready = False
             self.ready = False
             self.down.set()
-            if not became_ready and rc == 2:  # the child refused the model (its error is in the log above)
-                self.reason, self.code, self.fatal = "the model failed to load", "model_load_failed", 2
-                on_fatal()
-                return
-            how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
-            self.reason = await asyncio.to_thread(self._diagnose, how)
             self.code = "rpc_worker_unavailable"
             log.error("model unavailable: %s", self.reason)
+            failures = 0 if became_ready else failures + 1
+            await asyncio.sleep(min(60.0, RETRY_S * 2 ** max(0, failures - 1)))  # a crash loop backs off
             while True:  # the workers are greeted until every one answers, then the model loads again
-                await asyncio.sleep(RETRY_S)
                 try:
                     await asyncio.to_thread(check_workers, self.workers, GREET_S)
                     break
                 except WorkerError as exc:
                     self.reason = f"{exc.message}; the model restarts once every worker answers"
+                await asyncio.sleep(RETRY_S)
             self.restarts += 1
-            log.info("every RPC worker answers again; restarting the model (restart %d)", self.restarts)
+            log.info("every RPC worker answers; starting the model again (restart %d)", self.restarts)
             self.reason, self.code = "the model is loading again after a worker fault", "model_loading"
+
+    async def _one_child(self, env: dict[str, str]) -> tuple[bool, str, int]:
+        """One child's life: (whether it became ready, how it ended, its exit code)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+        self.proc = proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "quantserve.server.supervisor", env=env, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches this process, which stops the child
+        )  # fmt: skip
+        relay = asyncio.get_running_loop().create_task(self._relay(proc))
+        waiter = asyncio.get_running_loop().create_task(proc.wait())
+        became_ready = await self._wait_ready(waiter)
+        rc = await waiter
+        self.ready = False
+        self.down.set()
+        await relay
+        try:
+            how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        except ValueError:
+            how = f"killed by signal {-rc}"
+        how, self.killed = self.killed or how, None
+        return became_ready, how, rc
 
     def _diagnose(self, how: str) -> str:
         """Which worker is gone and why, else what the child said last."""
@@ -177,12 +194,15 @@ class Supervisor:
         return f"the model process was {how}{': ' + last if last else ''}; its RPC workers answer again"
 
     async def _relay(self, proc: asyncio.subprocess.Process) -> None:
-        """The child's log goes on to ours; its last lines are kept for the diagnosis."""
+        """The child's log goes on to ours, chunk by chunk (a line of any length); its last lines are kept."""
         assert proc.stderr is not None
-        async for raw in proc.stderr:
-            line = raw.decode("utf-8", "replace").rstrip()
-            self.stderr_tail.append(line)
-            print(line, file=sys.stderr, flush=True)
+        pending = b""
+        while chunk := await proc.stderr.read(65536):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.flush()
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-4096:]
+            self.stderr_tail.extend(line.decode("utf-8", "replace")[:500] for line in lines)
 
     async def _wait_ready(self, waiter: asyncio.Task) -> bool:
         transport = httpx.AsyncHTTPTransport(uds=self.socket)
@@ -199,6 +219,42 @@ class Supervisor:
                 await asyncio.sleep(0.2)
         return False
 
+    async def _watchdog(self) -> None:
+        """A child whose engine has work but has not finished a step for --rpc-timeout seconds is stuck on a
+        worker that stopped answering without closing its connection: kill it (the restart loop takes over)."""
+        transport = httpx.AsyncHTTPTransport(uds=self.socket)
+        async with httpx.AsyncClient(transport=transport, base_url="http://model", timeout=5) as client:
+            last, since = -1.0, time.monotonic()
+            while True:
+                await asyncio.sleep(WATCH_S)
+                if not self.ready:
+                    last, since = -1.0, time.monotonic()
+                    continue
+                try:
+                    busy, steps = _progress((await client.get("/metrics")).text)
+                except httpx.HTTPError:
+                    continue
+                if not busy or steps != last:
+                    last, since = steps, time.monotonic()
+                elif time.monotonic() - since > self.settings.rpc_timeout:
+                    self.killed = f"stopped: it made no progress for {self.settings.rpc_timeout:g} s"
+                    log.error("the model %s (a worker hung?); restarting it", self.killed)
+                    await self._kill()
+
+
+_GAUGE = re.compile(
+    r"^(quantserve_(?:engine_steps|running_sequences|queue_depth))\{[^}]*\} ([0-9.e+-]+)$", re.M
+)
+
+
+def _progress(metrics: str) -> tuple[bool, float]:
+    """(whether the engine has work, the steps it has run) from the child's /metrics."""
+    values: dict[str, float] = {}
+    for name, value in _GAUGE.findall(metrics):
+        values[name] = values.get(name, 0.0) + float(value)
+    busy = values.get("quantserve_running_sequences", 0) + values.get("quantserve_queue_depth", 0) > 0
+    return busy, values.get("quantserve_engine_steps", 0.0)
+
 
 def create_proxy(settings: ServerSettings, workers: tuple[Endpoint, ...], on_fatal) -> FastAPI:
     sup = Supervisor(settings, workers)
@@ -208,8 +264,11 @@ def create_proxy(settings: ServerSettings, workers: tuple[Endpoint, ...], on_fat
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         nonlocal client
-        timeout = httpx.Timeout(connect=5.0, read=settings.rpc_timeout, write=60.0, pool=None)
-        client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=sup.socket), timeout=timeout)
+        # no read timeout: a long generation is not a fault; the watchdog judges the engine's progress
+        timeout = httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        transport = httpx.AsyncHTTPTransport(uds=sup.socket, limits=limits)
+        client = httpx.AsyncClient(transport=transport, timeout=timeout)
         sup.start(on_fatal)
         yield
         await client.aclose()
@@ -217,6 +276,8 @@ def create_proxy(settings: ServerSettings, workers: tuple[Endpoint, ...], on_fat
 
     app = FastAPI(title="quantserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.supervisor = sup
+    if settings.api_key:  # the child checks it too; here it also guards the 503s that name the workers
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
     def unavailable(path: str) -> Response:
         message = f"model unavailable: {sup.reason}"
@@ -230,37 +291,39 @@ def create_proxy(settings: ServerSettings, workers: tuple[Endpoint, ...], on_fat
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
     async def forward(request: Request, path: str):
-        path = "/" + path
+        path = request.url.path
         if not sup.ready:
             return unavailable(path)
+        raw = request.scope.get("raw_path") or path.encode()
+        query = request.scope.get("query_string") or b""
+        url = "http://model" + raw.decode("latin-1") + ("?" + query.decode("latin-1") if query else "")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        upstream = client.build_request(
-            request.method, "http://model" + path, params=request.query_params, headers=headers,
-            content=request.stream(),
-        )  # fmt: skip
+        has_body = (
+            request.headers.get("content-length") not in (None, "0") or "transfer-encoding" in request.headers
+        )
+        if length := request.headers.get("content-length"):
+            headers.append(("content-length", length))
+        upstream = client.build_request(request.method, url, headers=headers,
+                                        content=request.stream() if has_body else None)  # fmt: skip
         try:
             resp = await client.send(upstream, stream=True)
-        except httpx.ReadTimeout:
-            await sup.hung(f"no answer in {settings.rpc_timeout:g} s")
-            return unavailable(path)
         except httpx.HTTPError:
             await _settle(sup)
             return unavailable(path)
-        kept = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP}
+        kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _HOP | {"date", "server"}]
         streaming = resp.headers.get("content-type", "").startswith(_STREAMS)
-        return StreamingResponse(
-            _body(resp, sup, path, streaming), status_code=resp.status_code, headers=kept
-        )
+        out = StreamingResponse(_body(resp, path, streaming), status_code=resp.status_code)
+        out.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in kept]
+        return out
 
-    async def _body(resp: httpx.Response, sup: Supervisor, path: str, streaming: bool):
-        events = 0
+    async def _body(resp: httpx.Response, path: str, streaming: bool):
+        events, tail = 0, b""
         try:
             async for chunk in resp.aiter_raw():
-                events += chunk.count(b"\n\n")
+                events += (tail + chunk).count(b"\n\n") - tail.count(b"\n\n")
+                tail = chunk[-1:]
                 yield chunk
-        except httpx.HTTPError as exc:
-            if isinstance(exc, httpx.ReadTimeout):
-                await sup.hung(f"no output for {settings.rpc_timeout:g} s")
+        except httpx.HTTPError:
             await _settle(sup)
             if streaming:
                 yield stream_error(path, f"generation failed: {sup.reason}", events)
@@ -279,9 +342,15 @@ async def _settle(sup: Supervisor, wait: float = 5.0) -> None:
         await asyncio.sleep(0.1)  # the diagnosis runs right after the child is reaped
 
 
-def _watch_parent() -> None:
-    """The child exits when its supervisor is gone (killed without a chance to stop it)."""
-    parent = os.getppid()
+def _watch_parent(parent: int) -> None:
+    """The child exits when its supervisor is gone (killed without a chance to stop it): on Linux the kernel
+    sends it SIGTERM at once; elsewhere, and as a fallback, its parent is checked every second."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -302,7 +371,7 @@ def child_main() -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )  # fmt: skip
-    _watch_parent()
+    _watch_parent(spec["parent"])
     try:
         return serve(settings, uds=spec["socket"])
     except QuantserveError as exc:

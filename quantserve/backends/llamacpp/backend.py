@@ -138,7 +138,7 @@ class LlamaCppBackend:
                 f"and --tensor-split say ({settings.llamacpp.split_mode} split); the token embeddings stay here"
             )
         else:
-            load = f"load it with llama.cpp: {plan_offload(spec.files[0], settings, gpu_device()).describe()}"
+            load = f"load it with llama.cpp: {plan_offload(spec.files[0], settings, gpu_device(settings.llamacpp)).describe()}"
         vision = None
         if mmproj is not None:
             vision = f"images through {mmproj.name}: {describe_mmproj(read_gguf_info(mmproj))}"

@@ -64,7 +64,7 @@ class LlamaCppRunner:
             add_workers(
                 parse_endpoints(own.rpc)
             )  # before the device list is read: their devices count as GPUs
-        self.offload = plan_offload(self.path, settings, gpu_device())
+        self.offload = plan_offload(self.path, settings, gpu_device(own))
         # a CPU-only build choosing 0 is no news (debug); anything else is worth a line at startup
         log.log(
             logging.DEBUG if self.offload.device is None and own.n_gpu_layers is None else logging.INFO,

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantserve.core.model_size import gguf_shape, layer_kv_bytes, llamacpp_kv
-from quantserve.core.settings import EngineSettings
+from quantserve.core.settings import EngineSettings, LlamaCppSettings, parse_tensor_split
+from quantserve.errors import ConfigError
 from quantserve.formats import read_gguf_info
 
 MARGIN = 1 << 30  # llama-server's --fit-target default: 1024 MiB left free on each device
@@ -101,33 +102,52 @@ GPU_TYPES = (
 )  # enum ggml_backend_dev_type: CPU 0, GPU 1, IGPU 2 (Apple silicon's Metal is a GPU), ACCEL 3
 
 
-def gpu_device() -> Device | None:
-    """The GPUs llama.cpp can use (its own, then any registered RPC workers' devices), as one device with their
-    free memory added up, since llama.cpp spreads the offloaded layers over all of them; None when there is none
-    (a CPU build)."""
+def gpu_device(own: LlamaCppSettings | None = None) -> Device | None:
+    """What llama.cpp offloads to, as one device: its devices in llama.cpp's order (RPC workers' first, then the
+    GPUs, then integrated GPUs only where there is no discrete one), taken as `own`'s split says. A layer split
+    adds up their free memory, bounded by the device that --tensor-split fills first; --split-mode none takes
+    --main-gpu alone. None when there is no device (a CPU build).
+
+    Raises:
+        ConfigError: --main-gpu past the devices there are.
+    """
     from quantserve.backends.llamacpp.library import init_backend
 
     init_backend()
     lib = _ggml()
-    found = []
+    rpc, gpus, igpus = [], [], []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
-        if lib.ggml_backend_dev_type(dev) in GPU_TYPES:
-            free, total = ctypes.c_size_t(), ctypes.c_size_t()
-            lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-            name = lib.ggml_backend_dev_name(dev).decode(errors="replace")
-            desc = lib.ggml_backend_dev_description(dev).decode(errors="replace")
-            found.append(Device(name, desc, free.value, total.value))
-    if len(found) <= 1:
-        return found[0] if found else None
+        kind = lib.ggml_backend_dev_type(dev)
+        if kind not in GPU_TYPES:
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        name = lib.ggml_backend_dev_name(dev).decode(errors="replace")
+        desc = lib.ggml_backend_dev_description(dev).decode(errors="replace")
+        d = Device(name, desc, free.value, total.value)
+        (rpc if name.startswith("RPC") else gpus if kind == 1 else igpus).append(d)
+    found = rpc + gpus + (igpus if not gpus else [])
+    if not found:
+        return None
+    own = own or LlamaCppSettings()
+    if own.split_mode == "none":
+        if own.main_gpu >= len(found):
+            raise ConfigError(
+                f"--main-gpu {own.main_gpu}: llama.cpp has {len(found)} device(s) here "
+                f"({', '.join(d.name for d in found)}), counted from 0",
+                param="main_gpu",
+            )
+        return found[own.main_gpu]
+    if len(found) == 1:
+        return found[0]
+    free = sum(d.free for d in found)
+    if own.tensor_split:
+        shares = (parse_tensor_split(own.tensor_split) + [0.0] * len(found))[: len(found)]
+        total = sum(shares) or 1.0
+        free = min(int(d.free * total / s) for d, s in zip(found, shares, strict=True) if s > 0)
     names = ", ".join(f"{d.name} ({d.description})" if d.description != d.name else d.name for d in found)
-    return Device(
-        ",".join(d.name for d in found),
-        names,
-        sum(d.free for d in found),
-        sum(d.total for d in found),
-        len(found),
-    )
+    return Device(",".join(d.name for d in found), names, free, sum(d.total for d in found), len(found))
 
 
 def plan_offload(path: Path, settings: EngineSettings, device: Device | None) -> Offload:

@@ -149,7 +149,8 @@ def serve_worker(host: str, port: int, *, cache_dir: Path | None, threads: int, 
         log.info("RPC worker on %s:%d stopped", host, port)
         return
     raise BackendUnavailableError(
-        f"the RPC worker on {host}:{port} stopped: it could not accept a connection"
+        f"the RPC worker on {host}:{port} stopped: it could not start its device or accept a connection "
+        "(llama.cpp's reason is printed above)"
     )
 
 

@@ -104,6 +104,8 @@ class TorchRunner:
             num_blocks = fill_gpu_blocks(model, settings, self.n_ctx, dtype)
         else:
             num_blocks = kv.cells // self.block_size
+        if model.tp is not None:  # every rank's cache must hold the blocks rank 0's ledger hands out
+            num_blocks = model.tp.agree_min(num_blocks)
         self.n_kv_cells = num_blocks * self.block_size
         self.kv_spec = KVSpec("paged", cells=self.n_kv_cells, block_size=self.block_size)
         if self.n_kv_cells < self.n_ctx:

@@ -6,9 +6,11 @@ and the block table; a few hundred int64s) over a gloo group, and every rank run
 the model (tp_shard.py). The all-reduces inside the model use NCCL on CUDA and gloo on the CPU. Only rank 0
 samples; the others compute their share of the logits for the gather and drop them.
 
-A rank that dies makes the next collective fail on rank 0 (gloo and NCCL see the closed connection; the group's
-timeout bounds the rest). The runner then refuses every later step with a 503 that names the rank, its pid and how
-it ended, and the server's /readyz says the same: the model is gone until the server restarts.
+The orders travel on a gloo group of their own, whose timeout is a year: ranks >= 1 wait there between requests,
+however idle the server. The forward's collectives keep a short one (TIMEOUT). A rank that dies makes the next
+collective fail on rank 0 (gloo sees the closed connection; on CUDA, NCCL's blocking wait bounds it by TIMEOUT). The
+runner then refuses every later step with a 503 that names the rank, its pid and how it ended, and the server's
+/readyz says the same: the model is gone until the server restarts.
 
     python -m quantserve.backends.torch.tp   # a rank >= 1; its orders are in $QUANTSERVE_TP (JSON)
 """
@@ -34,13 +36,16 @@ from typing import Any
 import torch
 
 from quantserve.backends.torch.tp_shard import TensorParallel
-from quantserve.errors import ModelUnavailableError
+from quantserve.errors import InvalidRequestError, ModelUnavailableError
 
 log = logging.getLogger("quantserve.torch")
 
 ENV = "QUANTSERVE_TP"
 STOP, STEP, EMBED, SCORE = 0, 1, 2, 3
-TIMEOUT = timedelta(seconds=60)  # the longest a collective waits for a rank that neither answers nor closes
+# the longest a collective inside a forward waits for a rank that neither answers nor closes its connection
+TIMEOUT = timedelta(seconds=float(os.environ.get("QUANTSERVE_TP_TIMEOUT", "60")))
+IDLE = timedelta(days=365)  # the orders group's: ranks >= 1 wait there for the next order, however long
+STATS = 4
 
 
 class RankLostError(ModelUnavailableError):
@@ -87,10 +92,11 @@ class Group:
     as under torchrun)."""
 
     tp: TensorParallel
-    control: Any  # a gloo group for the orders, whatever the compute backend
     procs: list[subprocess.Popen] = field(default_factory=list)
-    step_seconds: list[float] = field(default_factory=list)  # each rank's last step
-    total_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def control(self) -> Any:
+        return self.tp.orders
 
     def send(self, cmd: int, payload: torch.Tensor | None = None, extra: int = 0) -> None:
         import torch.distributed as dist
@@ -142,15 +148,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, addr: str, port: int, device: torch.device) -> tuple[TensorParallel, Any]:
+def _init(rank: int, world: int, addr: str, port: int, device: torch.device) -> TensorParallel:
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if (
+        backend == "nccl"
+    ):  # a dead peer raises in the caller after TIMEOUT, instead of tearing the process down
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     dist.init_process_group(
         backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=TIMEOUT
     )
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else None
-    return TensorParallel(rank, world), control
+    return TensorParallel(rank, world, orders=dist.new_group(backend="gloo", timeout=IDLE))
 
 
 def start_group(spec_path: Path, settings, device: torch.device) -> Group:
@@ -158,22 +168,25 @@ def start_group(spec_path: Path, settings, device: torch.device) -> Group:
     world = settings.torch.tensor_parallel_size
     port = _free_port()
     orders = {"spec": str(spec_path), "settings": dataclasses.asdict(settings), "world": world,
-              "addr": "127.0.0.1", "port": port}  # fmt: skip
+              "addr": "127.0.0.1", "port": port, "parent": os.getpid()}  # fmt: skip
     procs = []
     for rank in range(1, world):
         env = {**os.environ, ENV: json.dumps({**orders, "rank": rank})}
         if device.type == "cuda":
             env.setdefault("LOCAL_RANK", str(rank))
-        procs.append(subprocess.Popen([sys.executable, "-m", "quantserve.backends.torch.tp"], env=env))
+        # a session of its own: a Ctrl-C in the terminal reaches rank 0, which stops the others
+        cmd = [sys.executable, "-m", "quantserve.backends.torch.tp"]
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     try:
-        tp, control = _init(0, world, "127.0.0.1", port, device)
+        tp = _init(0, world, "127.0.0.1", port, device)
     except Exception:
         for p in procs:
             p.kill()
+            p.wait()
         raise
     log.info("tensor parallel: %d ranks (%s), ranks 1-%d are pids %s", world,
              "NCCL" if device.type == "cuda" else "gloo", world - 1, ", ".join(str(p.pid) for p in procs))  # fmt: skip
-    return Group(tp, control, procs, [0.0] * world, [0.0] * world)
+    return Group(tp, procs)
 
 
 class TPRunner:
@@ -185,6 +198,7 @@ class TPRunner:
         self.inner, self.group = inner, group
         self._lock = threading.Lock()
         self._fault: str | None = None
+        self._last = self._total = 0.0  # this rank's step seconds
 
     def __getattr__(self, name: str):  # tokenizer, kv_spec, n_ctx, ...: the inner runner's
         return getattr(self.inner, name)
@@ -196,43 +210,55 @@ class TPRunner:
         return self._fault
 
     def _run(self, cmd: int, payload: torch.Tensor | None, extra: int, fn):
+        import torch.distributed as dist
+
         with self._lock:
             if self.fault():
                 raise RankLostError(f"the model is unavailable: {self._fault}; restart the server")
             t0 = time.perf_counter()
             try:
                 self.group.send(cmd, payload, extra)
-                out = fn()
-                if cmd == STEP:
-                    self._gather_times(time.perf_counter() - t0)
-                return out
-            except RuntimeError as exc:  # a collective failed: a rank is gone or unreachable
+                return fn()
+            except RuntimeError as exc:
                 time.sleep(0.5)  # let a dead rank's exit be seen, to name it
+                if not (self.group.gone() or isinstance(exc, dist.DistError)):
+                    raise  # this step's own failure (a sampler's), not a lost rank: the model goes on
                 self._fault = self.group.gone() or f"a tensor-parallel collective failed: {exc}"
                 log.error("tensor parallel: %s", self._fault)
                 raise RankLostError(f"the model is unavailable: {self._fault}; restart the server") from exc
-
-    def _gather_times(self, seconds: float) -> None:
-        import torch.distributed as dist
-
-        times = [torch.zeros(1, dtype=torch.float64) for _ in range(self.group.tp.world)]
-        dist.all_gather(times, torch.tensor([seconds], dtype=torch.float64), group=self.group.control)
-        for rank, t in enumerate(times):
-            self.group.step_seconds[rank] = float(t)
-            self.group.total_seconds[rank] += float(t)
+            finally:
+                if cmd == STEP:
+                    self._last, self._total = time.perf_counter() - t0, self._total + time.perf_counter() - t0
 
     def rank_step_seconds(self) -> list[tuple[float, float]]:
-        """(last step, all steps) in seconds, per rank, for /metrics and `quantserve bench`."""
-        return list(zip(self.group.step_seconds, self.group.total_seconds, strict=True))
+        """(last step, all steps) in seconds, per rank, for /metrics and `quantserve bench`: asked of the other
+        ranks in the orders, between steps."""
+        import torch.distributed as dist
+
+        if self.fault():
+            return []
+        mine = torch.tensor([self._last, self._total], dtype=torch.float64)
+        times = [torch.zeros(2, dtype=torch.float64) for _ in range(self.group.tp.world)]
+        try:
+            self._run(STATS, None, 0, lambda: dist.all_gather(times, mine, group=self.group.control))
+        except RankLostError:
+            return []
+        return [(float(t[0]), float(t[1])) for t in times]
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        if any(not 0 <= t < self.inner.n_vocab for t in tokens):
+            raise InvalidRequestError(f"token ids must be in [0, {self.inner.n_vocab})", param="input")
 
     def execute(self, plan):
         payload = encode_plan(plan, self.inner.block_size)
         return self._run(STEP, payload, 0, lambda: self.inner.execute(plan))
 
     def embed(self, tokens: list[int]) -> list[float]:
+        self._check_tokens(tokens)
         return self._run(EMBED, torch.tensor(tokens), 0, lambda: self.inner.embed(tokens))
 
     def score(self, tokens: list[int], first: int):
+        self._check_tokens(tokens)
         return self._run(SCORE, torch.tensor(tokens), first, lambda: self.inner.score(tokens, first))
 
     def close(self) -> None:
@@ -253,33 +279,41 @@ class TPRunner:
         self.inner.close()
 
 
-def serve_rank(runner, group_control: Any) -> None:
+def serve_rank(runner, orders: Any) -> None:
     """Ranks >= 1: run rank 0's orders until it says stop (or is gone, which fails the next broadcast)."""
     import torch.distributed as dist
 
+    last = total = 0.0
     while True:
         head = torch.zeros(3, dtype=torch.int64)
-        dist.broadcast(head, src=0, group=group_control)
+        dist.broadcast(head, src=0, group=orders)
         cmd, size, extra = head.tolist()
         payload = torch.zeros(size, dtype=torch.int64)
         if size:
-            dist.broadcast(payload, src=0, group=group_control)
+            dist.broadcast(payload, src=0, group=orders)
         if cmd == STOP:
             return
         t0 = time.perf_counter()
         if cmd == STEP:
             runner.execute(decode_plan(payload))
-            seconds = time.perf_counter() - t0
-            times = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-            dist.all_gather(times, torch.tensor([seconds], dtype=torch.float64), group=group_control)
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            last = time.perf_counter() - t0
+            total += last
         elif cmd == EMBED:
             runner.embed(payload.tolist())
         elif cmd == SCORE:
             runner.score(payload.tolist(), extra)
+        elif cmd == STATS:
+            times = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+            dist.all_gather(times, torch.tensor([last, total], dtype=torch.float64), group=orders)
 
 
-def _watch_parent() -> None:
-    parent = os.getppid()
+def _watch_parent(parent: int) -> None:
+    """A rank exits within a second of rank 0 being gone. (Not the kernel's parent-death signal: that fires when
+    the thread that started the rank ends, and rank 0 starts its ranks from a loading thread.)"""
+    if os.getppid() != parent:
+        os._exit(0)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -301,7 +335,7 @@ def rank_main() -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {orders['rank']} %(levelname)-7s %(message)s"
     )
-    _watch_parent()
+    _watch_parent(orders["parent"])
     raw = orders["settings"]
     settings = EngineSettings(
         **{k: v for k, v in raw.items() if k not in ("llamacpp", "torch")},
@@ -310,14 +344,20 @@ def rank_main() -> int:
     )
     spec = detect(Path(orders["spec"]))
     device, _ = _device(spec, orders["rank"])
-    tp, control = _init(orders["rank"], orders["world"], orders["addr"], orders["port"], device)
+    tp = _init(orders["rank"], orders["world"], orders["addr"], orders["port"], device)
     runner = load_slice(spec, settings, tp, device)
-    dist.barrier(group=control)  # loaded: rank 0 waits for this
+    dist.barrier(group=tp.orders)  # loaded: rank 0 waits for this
+    code = 0
     try:
-        serve_rank(runner, control)
-    except RuntimeError as exc:  # rank 0 is gone
+        serve_rank(runner, tp.orders)
+    except dist.DistError as exc:  # rank 0 is gone
         log.info("rank 0 is gone (%s); stopping", exc)
-    return 0
+    except Exception:  # noqa: BLE001 - this rank's own failure: rank 0 sees it gone and names it
+        log.exception("rank %d failed", orders["rank"])
+        code = 1
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    os._exit(code)  # not through interpreter shutdown, where a process group's threads could abort
 
 
 def _device(spec, rank: int) -> tuple[torch.device, torch.dtype]:

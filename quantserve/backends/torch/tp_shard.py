@@ -40,6 +40,15 @@ class TensorParallel:
     rank: int
     world: int
     group: Any = None
+    orders: Any = None  # the gloo group rank 0's orders travel on (backends/torch/tp.py)
+
+    def agree_min(self, n: int) -> int:
+        """The smallest of every rank's n (a KV cache each rank sized from its own free memory)."""
+        import torch.distributed as dist
+
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.orders)
+        return int(t)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -176,7 +176,8 @@ class _ResponseEncoder:
         return done
 
     def error(self, message: str) -> list[bytes]:
-        return [self.events.ev("error", **error_body(message, "server_error")["error"])]
+        fields = {k: v for k, v in error_body(message, "server_error")["error"].items() if k != "type"}
+        return [self.events.ev("error", **fields)]
 
 
 @router.post("/v1/responses")
