@@ -5,6 +5,7 @@ caching on; dense, int4 at load, a GPTQ checkpoint, and a Qwen3-MoE. What cannot
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +206,49 @@ def test_a_dead_rank_fails_the_stream_then_503(llama, tmp_path):
         assert ready.status_code == 503 and "rank 1" in ready.json()["error"]["message"]
     finally:
         assert srv.stop() == 0
+
+
+def test_torchrun_starts_the_ranks(llama, tmp_path):
+    """The multi-machine launch, on one machine: `torchrun --nproc-per-node 2 -m quantserve.cli run ...` starts
+    two processes; rank 0 serves, rank 1 holds its slice, and the answer is the one-process server's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.conftest import ROOT, free_port, start_server
+
+    one = start_server(tmp_path, str(llama), "--backend", "torch")
+    body = {"model": "llama", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    try:
+        want = httpx.post(one.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0][
+            "text"
+        ]
+    finally:
+        one.stop()
+    port, log = free_port(), tmp_path / "torchrun.log"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "quantserve.cli", "run", str(llama), "--backend", "torch",
+           "--tensor-parallel-size", "2", "--port", str(port), "--threads", "1"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ)
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want
+        assert "started by torchrun" in log.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -66,7 +66,32 @@ def run(model: str | None, **options) -> None:
         fail(ConfigError(f"{flag}: {err['msg'].removeprefix('Value error, ')}"))
     setup_logging(settings.log_level)
     try:
+        _torchrun_rank(settings)
         code = serve(settings)
     except QuantserveError as exc:
         fail(exc)
     sys.exit(code)
+
+
+def _torchrun_rank(settings) -> None:
+    """Under torchrun, every process but rank 0 runs its slice of the model and never serves HTTP: it exits when
+    rank 0 stops. Rank 0 goes on to serve."""
+    import os
+
+    if settings.tensor_parallel_size < 2 or int(os.environ.get("RANK") or 0) == 0:
+        return  # (torch is not imported for anything else)
+    from quantserve.backends.torch.tp import run_rank, torchrun_rank
+    from quantserve.formats import detect
+
+    rank = torchrun_rank()
+    if rank is None:
+        return
+
+    resolved, engine = settings.resolve_model()
+    engine = engine.for_model(resolved.entry)
+    world, addr, port = (
+        int(os.environ["WORLD_SIZE"]),
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+    )
+    sys.exit(run_rank(detect(resolved.path), engine, rank, world, addr, port))

@@ -4,6 +4,7 @@ that carries it out: device and dtype, weights, the KV cache the plan sized."""
 from __future__ import annotations
 
 import logging
+import os
 
 from quantserve.backends import facts
 from quantserve.core.model_size import model_shape, torch_kv
@@ -145,7 +146,9 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
     """Rank 0 of --tensor-parallel-size N: start the other ranks, load its own slice, and wrap it."""
     import torch
 
-    from quantserve.backends.torch.tp import TPRunner, start_group
+    from quantserve.backends.torch.args import ModelArgs
+    from quantserve.backends.torch.tp import TPRunner, start_group, torchrun_rank
+    from quantserve.backends.torch.tp_shard import local_args
 
     if vision:
         raise ConfigError(
@@ -153,7 +156,10 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
             "serve it with --tensor-parallel-size 1",
             param="tensor_parallel_size",
         )
-    if device.type == "cuda":
+    if device.type == "cuda" and torchrun_rank() is not None:  # one GPU per process, as torchrun numbers them
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    elif device.type == "cuda":
         n = torch.cuda.device_count()
         if n < settings.torch.tensor_parallel_size:
             raise ConfigError(
@@ -162,9 +168,6 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
                 param="tensor_parallel_size",
             )
         device = torch.device("cuda", 0)
-    from quantserve.backends.torch.args import ModelArgs
-    from quantserve.backends.torch.tp_shard import local_args
-
     local_args(
         ModelArgs.from_hf_config(dict(spec.config or {})), settings.torch.tensor_parallel_size
     )  # refuse early

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from quantserve.backends.torch.tp_shard import TensorParallel
-from quantserve.errors import InvalidRequestError, ModelUnavailableError
+from quantserve.errors import ConfigError, InvalidRequestError, ModelUnavailableError
 
 log = logging.getLogger("quantserve.torch")
 
@@ -163,9 +163,33 @@ def _init(rank: int, world: int, addr: str, port: int, device: torch.device) -> 
     return TensorParallel(rank, world, orders=dist.new_group(backend="gloo", timeout=IDLE))
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or another launcher setting its variables) started it; else None."""
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return int(os.environ["RANK"])
+    return None
+
+
+def _torchrun_group(world: int, device: torch.device) -> Group:
+    """Rank 0 under torchrun: the other ranks are started on their own machines by torchrun, not here."""
+    if int(os.environ["WORLD_SIZE"]) != world:
+        raise ConfigError(
+            f"--tensor-parallel-size {world}, but torchrun started {os.environ['WORLD_SIZE']} processes; give "
+            "torchrun --nnodes x --nproc-per-node the same count",
+            param="tensor_parallel_size",
+        )
+    tp = _init(0, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), device)
+    log.info("tensor parallel: %d ranks (%s) started by torchrun, rank 0 here", world,
+             "NCCL" if device.type == "cuda" else "gloo")  # fmt: skip
+    return Group(tp, [])
+
+
 def start_group(spec_path: Path, settings, device: torch.device) -> Group:
-    """Start ranks 1..N-1 on this machine and join them as rank 0; they load their slices meanwhile."""
+    """Start ranks 1..N-1 on this machine and join them as rank 0; they load their slices meanwhile. Under
+    torchrun (several machines), join the ranks it started."""
     world = settings.torch.tensor_parallel_size
+    if torchrun_rank() is not None:
+        return _torchrun_group(world, device)
     port = _free_port()
     orders = {"spec": str(spec_path), "settings": dataclasses.asdict(settings), "world": world,
               "addr": "127.0.0.1", "port": port, "parent": os.getpid()}  # fmt: skip
@@ -324,17 +348,11 @@ def _watch_parent(parent: int) -> None:
 
 
 def rank_main() -> int:
-    """A rank >= 1, started by rank 0 (start_group)."""
-    import torch.distributed as dist
-
-    from quantserve.backends.torch.backend import load_slice
+    """A rank >= 1 started by rank 0 (start_group): its orders are in $QUANTSERVE_TP."""
     from quantserve.core.settings import EngineSettings, LlamaCppSettings, TorchSettings
     from quantserve.formats import detect
 
     orders = json.loads(os.environ[ENV])
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s rank {orders['rank']} %(levelname)-7s %(message)s"
-    )
     _watch_parent(orders["parent"])
     raw = orders["settings"]
     settings = EngineSettings(
@@ -343,8 +361,24 @@ def rank_main() -> int:
         torch=TorchSettings(**raw["torch"]),
     )
     spec = detect(Path(orders["spec"]))
-    device, _ = _device(spec, orders["rank"])
-    tp = _init(orders["rank"], orders["world"], orders["addr"], orders["port"], device)
+    return run_rank(spec, settings, orders["rank"], orders["world"], orders["addr"], orders["port"])
+
+
+def run_rank(spec, settings, rank: int, world: int, addr: str, port: int) -> int:
+    """Serve rank 0's orders as rank `rank` >= 1 until it stops (or is gone); exits the process.
+
+    Under torchrun, `quantserve run` on every machine but rank 0's comes here (quantserve.cli.serve)."""
+    import torch.distributed as dist
+
+    from quantserve.backends.torch.backend import load_slice
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)-7s %(message)s")
+    if world != settings.torch.tensor_parallel_size:
+        log.error("torchrun started %d processes; --tensor-parallel-size is %d", world,
+                  settings.torch.tensor_parallel_size)  # fmt: skip
+        os._exit(2)
+    device, _ = _device(spec, int(os.environ.get("LOCAL_RANK", rank)))
+    tp = _init(rank, world, addr, port, device)
     runner = load_slice(spec, settings, tp, device)
     dist.barrier(group=tp.orders)  # loaded: rank 0 waits for this
     code = 0
@@ -353,7 +387,7 @@ def rank_main() -> int:
     except dist.DistError as exc:  # rank 0 is gone
         log.info("rank 0 is gone (%s); stopping", exc)
     except Exception:  # noqa: BLE001 - this rank's own failure: rank 0 sees it gone and names it
-        log.exception("rank %d failed", orders["rank"])
+        log.exception("rank %d failed", rank)
         code = 1
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
