@@ -121,6 +121,28 @@ def test_qwen3_moe(smollm2_hf, tmp_path):
     compare(_save(transformers.Qwen3MoeForCausalLM(config), tmp_path / "moe", smollm2_hf))
 
 
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2"])
+def test_other_families(family, smollm2_hf, tmp_path):
+    """Qwen2's q/k/v biases (column-parallel), Phi-3's fused qkv_proj and gate_up_proj (split per part), Gemma 2's
+    sandwich norms, windows shorter than the prompts and both soft caps (applied after the sums and the gather)."""
+    base = {k: v for k, v in SIZES.items() if k != "head_dim"}
+    configs = {
+        "qwen2": lambda: transformers.Qwen2Config(**base),
+        "phi3": lambda: transformers.Phi3Config(**base, pad_token_id=0),
+        "gemma2": lambda: transformers.Gemma2Config(
+            **base,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        ),  # fmt: skip
+    }
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family]())
+    compare(_save(model, tmp_path / family, smollm2_hf))
+
+
 def test_what_cannot_split_is_refused_by_name(llama, smollm2_hf, tmp_path):
     from quantserve.converters.calibration.quantize import quantize_checkpoint
 

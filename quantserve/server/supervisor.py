@@ -124,9 +124,8 @@ class Supervisor:
         env[CHILD_ENV] = json.dumps(
             {"socket": self.socket, "parent": os.getpid(), "settings": self.settings.model_dump()}
         )
-        env.setdefault(
-            "GGML_NO_BACKTRACE", "1"
-        )  # an abort prints its reason, not a gdb session, and dies at once
+        # an abort prints its reason, not a gdb session, and dies at once
+        env.setdefault("GGML_NO_BACKTRACE", "1")
         failures = 0
         while True:
             try:

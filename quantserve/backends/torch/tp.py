@@ -41,11 +41,10 @@ from quantserve.errors import ConfigError, InvalidRequestError, ModelUnavailable
 log = logging.getLogger("quantserve.torch")
 
 ENV = "QUANTSERVE_TP"
-STOP, STEP, EMBED, SCORE = 0, 1, 2, 3
+STOP, STEP, EMBED, SCORE, STATS = range(5)  # rank 0's orders
 # the longest a collective inside a forward waits for a rank that neither answers nor closes its connection
 TIMEOUT = timedelta(seconds=float(os.environ.get("QUANTSERVE_TP_TIMEOUT", "60")))
 IDLE = timedelta(days=365)  # the orders group's: ranks >= 1 wait there for the next order, however long
-STATS = 4
 
 
 class RankLostError(ModelUnavailableError):
