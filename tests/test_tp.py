@@ -113,9 +113,11 @@ def test_gptq_checkpoint(llama, tmp_path):
 
 
 def test_qwen3_moe(smollm2_hf, tmp_path):
+    """Also an untied output layer and a vocabulary that does not split evenly (the last rank's rows padded)."""
     torch.manual_seed(0)
+    untied = {**SIZES, "vocab_size": 49155, "tie_word_embeddings": False}
     config = transformers.Qwen3MoeConfig(
-        **{k: v for k, v in SIZES.items() if k != "intermediate_size"}, intermediate_size=512,
+        **{k: v for k, v in untied.items() if k != "intermediate_size"}, intermediate_size=512,
         moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
     )  # fmt: skip
     compare(_save(transformers.Qwen3MoeForCausalLM(config), tmp_path / "moe", smollm2_hf))
@@ -146,9 +148,12 @@ def test_other_families(family, smollm2_hf, tmp_path):
 def test_what_cannot_split_is_refused_by_name(llama, smollm2_hf, tmp_path):
     from quantserve.converters.calibration.quantize import quantize_checkpoint
 
-    with pytest.raises(ConfigError, match="4 KV heads .*do not split evenly over 8 ranks|8 attention heads"):
-        load(llama, 3)
-    # o_proj's K = 256 over 2 ranks is 128 each, not a multiple of 96... groups of 128 over K = 192 cannot split
+    with pytest.raises(ConfigError, match="8 attention heads .*do not split evenly over 3 ranks"):
+        load(llama, 3)  # at plan time: `quantserve inspect` says so too, and no rank is started
+    settings = EngineSettings.from_options(backend="torch", tensor_parallel_size=2)
+    steps = TorchBackend().plan(detect(llama), settings, "test").steps
+    assert any("split over 2 ranks" in s and "4 of 8 attention heads and 2 of 4 KV heads" in s for s in steps)
+    # down_proj's K = 384 over 2 ranks is 192 each: groups of 128 would be cut
     torch.manual_seed(0)
     odd = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SIZES, "intermediate_size": 384}))
     src = _save(odd, tmp_path / "odd", smollm2_hf)

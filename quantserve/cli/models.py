@@ -44,6 +44,9 @@ def models(models_file: str | None) -> None:
 @click.option("--ctx-size", type=int, default=None, help="as `quantserve run --ctx-size`")
 @click.option("--max-num-seqs", type=int, default=None, help="as `quantserve run --max-num-seqs`")
 @click.option(
+    "--tensor-parallel-size", type=int, default=None, help="as `quantserve run --tensor-parallel-size`"
+)
+@click.option(
     "--chat-template", default=None, help="a Jinja file: what the model would get with this template"
 )
 def inspect(model: str, models_file: str | None, **flags) -> None:

@@ -63,6 +63,8 @@ class TorchBackend:
             steps.append("load the CLIP vision tower and its projector")
         if windows := _window_step(spec):
             steps.append(windows)
+        if settings.torch.tensor_parallel_size > 1:
+            steps.append(_split_step(spec, settings.torch.tensor_parallel_size, device.type, llava))
         shape = model_shape(spec)
         fill = device.type == "cuda" and settings.torch.kv_fill_gpu
         kv = (
@@ -151,11 +153,7 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
     from quantserve.backends.torch.tp_shard import local_args
 
     if vision:
-        raise ConfigError(
-            "--tensor-parallel-size with a LLaVA model: the vision tower does not run under tensor parallel yet; "
-            "serve it with --tensor-parallel-size 1",
-            param="tensor_parallel_size",
-        )
+        _split_step(spec, settings.torch.tensor_parallel_size, device.type, vision)  # refuses, naming why
     if device.type == "cuda" and torchrun_rank() is not None:  # one GPU per process, as torchrun numbers them
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -179,6 +177,27 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
         group.abandon()
         raise
     return TPRunner(inner, group)
+
+
+def _split_step(spec: ModelSpec, n: int, device: str, llava: bool) -> str:
+    """What the plan says of --tensor-parallel-size n, once the model is known to split (else ConfigError)."""
+    from quantserve.backends.torch.args import ModelArgs
+    from quantserve.backends.torch.tp_shard import local_args
+
+    if llava:
+        raise ConfigError(
+            "--tensor-parallel-size with a LLaVA model: the vision tower does not run under tensor parallel yet; "
+            "serve it with --tensor-parallel-size 1",
+            param="tensor_parallel_size",
+        )
+    a = ModelArgs.from_hf_config(dict(spec.config or {}))
+    local_args(a, n)
+    how = "NCCL, one GPU each" if device == "cuda" else "gloo, one process each"
+    return (
+        f"split over {n} ranks (tensor parallel, {how}): each holds {a.num_attention_heads // n} of "
+        f"{a.num_attention_heads} attention heads and {a.num_key_value_heads // n} of {a.num_key_value_heads} KV heads "
+        f"(1/{n} of the KV cache below), 1/{n} of the MLP rows and of the vocabulary"
+    )
 
 
 def _llava_vision(config: dict) -> str:
