@@ -123,10 +123,11 @@ def test_qwen3_moe(smollm2_hf, tmp_path):
     compare(_save(transformers.Qwen3MoeForCausalLM(config), tmp_path / "moe", smollm2_hf))
 
 
-@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2"])
+@pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "mixtral"])
 def test_other_families(family, smollm2_hf, tmp_path):
     """Qwen2's q/k/v biases (column-parallel), Phi-3's fused qkv_proj and gate_up_proj (split per part), Gemma 2's
-    sandwich norms, windows shorter than the prompts and both soft caps (applied after the sums and the gather)."""
+    sandwich norms, windows shorter than the prompts and both soft caps (applied after the sums and the gather),
+    Mixtral's experts under their own checkpoint names (block_sparse_moe.experts.E.w1/w2/w3)."""
     base = {k: v for k, v in SIZES.items() if k != "head_dim"}
     configs = {
         "qwen2": lambda: transformers.Qwen2Config(**base),
@@ -139,6 +140,7 @@ def test_other_families(family, smollm2_hf, tmp_path):
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
         ),  # fmt: skip
+        "mixtral": lambda: transformers.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2),
     }
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(configs[family]())

@@ -118,13 +118,8 @@ class Shards:
         return [n]
 
     def columns(self, prefix: str, n: int) -> torch.Tensor:
-        """The output rows (of n) this rank computes: its share of each part."""
-        idx, offset = [], 0
-        for size in self._parts(prefix, n):
-            share = size // self.world
-            idx.append(torch.arange(offset + self.rank * share, offset + (self.rank + 1) * share))
-            offset += size
-        return torch.cat(idx)
+        """The output rows (of n) this rank computes, as indices."""
+        return torch.cat([torch.arange(a, b) for a, b in self._ranges(prefix, n)])
 
     def kind(self, prefix: str) -> str:
         if prefix.endswith(COLUMN + FUSED):
@@ -135,22 +130,35 @@ class Shards:
             return "vocab"
         return "replicated"
 
-    def dense(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the dense tensor `name` (a parameter: `....q_proj.weight`)."""
+    def dense(self, name: str, t) -> torch.Tensor:
+        """This rank's slice of the dense tensor `name` (a parameter: `....q_proj.weight`). `t` is the tensor, or
+        a safetensors slice of it (`safe_open(...).get_slice(name)`), of which only this rank's rows or columns
+        are then read."""
         prefix, _, leaf = name.rpartition(".")
         kind = self.kind(prefix)
+        shape = tuple(t.get_shape()) if hasattr(t, "get_shape") else tuple(t.shape)
         if kind == "column":
-            return t[self.columns(prefix, t.shape[0])]
+            share = [(a, b) for a, b in self._ranges(prefix, shape[0])]
+            return torch.cat([t[a:b] for a, b in share])
         if kind == "row" and leaf == "weight":
-            share = t.shape[1] // self.world
-            return t[:, self.rank * share : (self.rank + 1) * share]
+            step = shape[1] // self.world
+            return t[:, self.rank * step : (self.rank + 1) * step]
         if kind == "row":  # a row-parallel bias is added once, after the sum
-            return t if self.rank == 0 else torch.zeros_like(t)
+            return t[:] if self.rank == 0 else torch.zeros(shape, dtype=t[:1].dtype)
         if kind == "vocab":
-            rows = -(-t.shape[0] // self.world)
-            part = t[self.rank * rows : (self.rank + 1) * rows]
+            rows = -(-shape[0] // self.world)
+            part = t[self.rank * rows : min((self.rank + 1) * rows, shape[0])]
             return F.pad(part, (0, 0, 0, rows - part.shape[0])) if part.shape[0] < rows else part
-        return t
+        return t[:]
+
+    def _ranges(self, prefix: str, n: int) -> list[tuple[int, int]]:
+        """The output rows (of n) this rank computes, as ranges: its share of each part."""
+        out, offset = [], 0
+        for size in self._parts(prefix, n):
+            share = size // self.world
+            out.append((offset + self.rank * share, offset + (self.rank + 1) * share))
+            offset += size
+        return out
 
     def vocab_rows(self, vocab: int) -> int:
         return -(-vocab // self.world)

@@ -101,6 +101,10 @@ class _SafetensorsFiles:
     def read(self, name: str) -> torch.Tensor:
         return self.where[name].get_tensor(name)
 
+    def lazy(self, name: str):
+        """The tensor as a slice object: indexing it reads only those rows or columns (a tensor-parallel rank's)."""
+        return self.where[name].get_slice(name)
+
 
 def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
     parent, _, child = prefix.rpartition(".")
@@ -191,7 +195,10 @@ def load_model(
         model = _empty_model(args, dtype, device, vocab_rows=vocab_rows)
         files = _SafetensorsFiles(spec.files)
         dense = {name(n): n for n in files.where}
-        _fill_dense(model, set(dense), lambda n: cut(n, files.read(dense[n])), skip=set())
+        if shards is None:
+            _fill_dense(model, set(dense), lambda n: files.read(dense[n]), skip=set())
+        else:  # a rank reads only its slice of each tensor
+            _fill_dense(model, set(dense), lambda n: shards.dense(n, files.lazy(dense[n])), skip=set())
         if quant:
             _quantize_in_place(model, dtype, device, shards)
     else:
