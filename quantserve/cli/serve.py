@@ -78,17 +78,18 @@ def _torchrun_rank(settings) -> None:
     rank 0 stops. Rank 0 goes on to serve."""
     import os
 
-    if settings.tensor_parallel_size < 2 or int(os.environ.get("RANK") or 0) == 0:
+    if int(os.environ.get("RANK") or 0) == 0 or settings.router_mode:
         return  # (torch is not imported for anything else)
+    resolved, engine = settings.resolve_model()
+    engine = engine.for_model(resolved.entry)  # its size may come from models.toml
+    if engine.torch.tensor_parallel_size < 2:
+        return
     from quantserve.backends.torch.tp import run_rank, torchrun_rank
     from quantserve.formats import detect
 
     rank = torchrun_rank()
     if rank is None:
         return
-
-    resolved, engine = settings.resolve_model()
-    engine = engine.for_model(resolved.entry)
     world, addr, port = (
         int(os.environ["WORLD_SIZE"]),
         os.environ["MASTER_ADDR"],

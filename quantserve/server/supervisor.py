@@ -54,6 +54,8 @@ RETRY_S = 2.0  # between greetings of the workers while the model is down
 WATCH_S = 5.0  # between looks at the child's engine progress
 GREET_S = 2.0  # a greeting's timeout
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
+# routes whose work runs beside the engine (no steps): the proxy bounds their wait itself
+_SIDE = ("/v1/embeddings", "/v1/rerank", "/v1/score", "/api/embed", "/api/embeddings", "/rerank")
 _STREAMS = ("text/event-stream", "application/x-ndjson")
 
 
@@ -197,8 +199,11 @@ class Supervisor:
         assert proc.stderr is not None
         pending = b""
         while chunk := await proc.stderr.read(65536):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.flush()
+            with contextlib.suppress(
+                OSError
+            ):  # our stderr gone (a closed terminal): keep draining the child's
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
             *lines, pending = (pending + chunk).split(b"\n")
             pending = pending[-4096:]
             self.stderr_tail.extend(line.decode("utf-8", "replace")[:500] for line in lines)
@@ -231,8 +236,8 @@ class Supervisor:
                     continue
                 try:
                     busy, steps = _progress((await client.get("/metrics")).text)
-                except httpx.HTTPError:
-                    continue
+                except httpx.HTTPError:  # a child that cannot answer /metrics makes no progress either
+                    busy, steps = True, last
                 if not busy or steps != last:
                     last, since = steps, time.monotonic()
                 elif time.monotonic() - since > self.settings.rpc_timeout:
@@ -284,6 +289,7 @@ def create_proxy(settings: ServerSettings, workers: tuple[Endpoint, ...], on_fat
             503, message, "server_error", code=sup.code, headers={"Retry-After": "2"}, path=path
         )
 
+    @app.get("/health")
     @app.get("/healthz")
     async def health():
         return {"status": "ok"}
@@ -302,14 +308,25 @@ def create_proxy(settings: ServerSettings, workers: tuple[Endpoint, ...], on_fat
         )
         if length := request.headers.get("content-length"):
             headers.append(("content-length", length))
+        # embeddings and rerank run beside the engine, where the watchdog does not see them: a bounded wait
+        side = path.startswith(_SIDE) and httpx.Timeout(5.0, read=settings.rpc_timeout)
         upstream = client.build_request(request.method, url, headers=headers,
-                                        content=request.stream() if has_body else None)  # fmt: skip
+                                        content=request.stream() if has_body else None,
+                                        timeout=side or httpx.USE_CLIENT_DEFAULT)  # fmt: skip
         try:
             resp = await client.send(upstream, stream=True)
+        except httpx.ReadTimeout:
+            sup.killed = f"stopped: a {path} request got no answer for {settings.rpc_timeout:g} s"
+            log.error("the model %s (a worker hung?); restarting it", sup.killed)
+            await sup._kill()
+            await _settle(sup)
+            return unavailable(path)
         except httpx.HTTPError:
             await _settle(sup)
             return unavailable(path)
-        kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _HOP | {"date", "server"}]
+        # the body passes through as its bytes: its Content-Length stays (a reply cut short then fails, not shrinks)
+        drop = (_HOP - {"content-length"}) | {"date", "server"}
+        kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in drop]
         streaming = resp.headers.get("content-type", "").startswith(_STREAMS)
         out = StreamingResponse(_body(resp, path, streaming), status_code=resp.status_code)
         out.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in kept]

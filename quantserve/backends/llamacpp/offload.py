@@ -127,7 +127,7 @@ def gpu_device(own: LlamaCppSettings | None = None) -> Device | None:
         desc = lib.ggml_backend_dev_description(dev).decode(errors="replace")
         d = Device(name, desc, free.value, total.value)
         (rpc if name.startswith("RPC") else gpus if kind == 1 else igpus).append(d)
-    found = rpc + gpus + (igpus if not gpus else [])
+    found = rpc + gpus + (igpus if not (rpc or gpus) else [])  # llama.cpp's rule
     if not found:
         return None
     own = own or LlamaCppSettings()
@@ -145,7 +145,7 @@ def gpu_device(own: LlamaCppSettings | None = None) -> Device | None:
     if own.tensor_split:
         shares = (parse_tensor_split(own.tensor_split) + [0.0] * len(found))[: len(found)]
         total = sum(shares) or 1.0
-        free = min(int(d.free * total / s) for d, s in zip(found, shares, strict=True) if s > 0)
+        free = min((int(d.free * total / s) for d, s in zip(found, shares, strict=True) if s > 0), default=0)
     names = ", ".join(f"{d.name} ({d.description})" if d.description != d.name else d.name for d in found)
     return Device(",".join(d.name for d in found), names, free, sum(d.total for d in found), len(found))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from quantserve.backends import facts
 from quantserve.core.model_size import model_shape, torch_kv
@@ -149,7 +150,7 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
     import torch
 
     from quantserve.backends.torch.args import ModelArgs
-    from quantserve.backends.torch.tp import TPRunner, start_group, torchrun_rank
+    from quantserve.backends.torch.tp import RankLostError, TPRunner, start_group, torchrun_rank
     from quantserve.backends.torch.tp_shard import local_args
 
     if vision:
@@ -173,6 +174,11 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
     try:
         inner = load_slice(spec, settings, group.tp, device)
         group.loaded()
+    except RuntimeError as exc:  # a collective failed while loading: another rank did not load its slice
+        time.sleep(0.5)
+        gone = group.gone() or "a tensor-parallel rank stopped"
+        group.abandon()
+        raise RankLostError(f"{gone} while loading its slice of the model (its log above says why)") from exc
     except BaseException:
         group.abandon()
         raise

@@ -130,6 +130,7 @@ class TorchRunner:
         self.graphs: DecodeGraphs | None = None
         # a tensor-parallel rank other than 0 computes its share of the logits (for the gather) and samples nothing
         self.samples = model.tp is None or model.tp.rank == 0
+        self.sampling = False
         if model.tp is not None and device.type == "cuda":
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs around the all-reduces yet)")
         elif device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
@@ -216,7 +217,13 @@ class TorchRunner:
                     logits = self.model.compute_logits(hidden[step.logits_index])  # [S, V] fp32
                     if not self.samples:
                         return [None] * len(plan)
-                    sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
+                    self.sampling = (
+                        True  # past the last collective (tensor parallel): a failure here is local
+                    )
+                    try:
+                        sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
+                    finally:
+                        self.sampling = False
         results: list[SampledToken | None] = [None] * len(plan)
         for k, tok in zip(step.sampled, sampled, strict=True):
             results[k] = tok

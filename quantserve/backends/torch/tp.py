@@ -45,6 +45,7 @@ STOP, STEP, EMBED, SCORE, STATS = range(5)  # rank 0's orders
 # the longest a collective inside a forward waits for a rank that neither answers nor closes its connection
 TIMEOUT = timedelta(seconds=float(os.environ.get("QUANTSERVE_TP_TIMEOUT", "60")))
 IDLE = timedelta(days=365)  # the orders group's: ranks >= 1 wait there for the next order, however long
+STATS_EVERY_S = 0.25  # how often rank 0 gathers the ranks' step times (/metrics shows the last gathered)
 
 
 class RankLostError(ModelUnavailableError):
@@ -196,7 +197,7 @@ def start_group(spec_path: Path, settings, device: torch.device) -> Group:
     for rank in range(1, world):
         env = {**os.environ, ENV: json.dumps({**orders, "rank": rank})}
         if device.type == "cuda":
-            env.setdefault("LOCAL_RANK", str(rank))
+            env["LOCAL_RANK"] = str(rank)
         # a session of its own: a Ctrl-C in the terminal reaches rank 0, which stops the others
         cmd = [sys.executable, "-m", "quantserve.backends.torch.tp"]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
@@ -222,6 +223,8 @@ class TPRunner:
         self._lock = threading.Lock()
         self._fault: str | None = None
         self._last = self._total = 0.0  # this rank's step seconds
+        self._stats: list[tuple[float, float]] = []
+        self._stats_at = 0.0
 
     def __getattr__(self, name: str):  # tokenizer, kv_spec, n_ctx, ...: the inner runner's
         return getattr(self.inner, name)
@@ -233,40 +236,44 @@ class TPRunner:
         return self._fault
 
     def _run(self, cmd: int, payload: torch.Tensor | None, extra: int, fn):
-        import torch.distributed as dist
-
         with self._lock:
             if self.fault():
                 raise RankLostError(f"the model is unavailable: {self._fault}; restart the server")
             t0 = time.perf_counter()
             try:
                 self.group.send(cmd, payload, extra)
-                return fn()
-            except RuntimeError as exc:
+                out = fn()
+                if cmd == STEP:
+                    self._last = time.perf_counter() - t0
+                    self._total += self._last
+                    if time.monotonic() - self._stats_at > STATS_EVERY_S:
+                        self._gather_stats()
+            except Exception as exc:
+                if getattr(self.inner, "sampling", False):
+                    raise  # the sampler's own failure, after every collective: the ranks are in step
+                # an order not delivered, or a forward that stopped part-way: a rank is gone, or the ranks are out
+                # of step; either way no later step can be trusted
                 time.sleep(0.5)  # let a dead rank's exit be seen, to name it
-                if not (self.group.gone() or isinstance(exc, dist.DistError)):
-                    raise  # this step's own failure (a sampler's), not a lost rank: the model goes on
-                self._fault = self.group.gone() or f"a tensor-parallel collective failed: {exc}"
+                self._fault = self.group.gone() or f"a tensor-parallel step failed part-way ({exc})"
                 log.error("tensor parallel: %s", self._fault)
                 raise RankLostError(f"the model is unavailable: {self._fault}; restart the server") from exc
-            finally:
-                if cmd == STEP:
-                    self._last, self._total = time.perf_counter() - t0, self._total + time.perf_counter() - t0
+            return out
 
-    def rank_step_seconds(self) -> list[tuple[float, float]]:
-        """(last step, all steps) in seconds, per rank, for /metrics and `quantserve bench`: asked of the other
-        ranks in the orders, between steps."""
+    def _gather_stats(self) -> None:
+        """Every rank's step times, gathered between steps on the engine's thread (with the collectives' own
+        timeout) and kept for /metrics, which never waits on the ranks."""
         import torch.distributed as dist
 
-        if self.fault():
-            return []
-        mine = torch.tensor([self._last, self._total], dtype=torch.float64)
-        times = [torch.zeros(2, dtype=torch.float64) for _ in range(self.group.tp.world)]
-        try:
-            self._run(STATS, None, 0, lambda: dist.all_gather(times, mine, group=self.group.control))
-        except RankLostError:
-            return []
-        return [(float(t[0]), float(t[1])) for t in times]
+        self._stats_at = time.monotonic()
+        self.group.send(STATS)
+        device = self.inner.device
+        times = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(self.group.tp.world)]
+        dist.all_gather(times, torch.tensor([self._last, self._total], dtype=torch.float64, device=device))
+        self._stats = [(float(t[0]), float(t[1])) for t in times]
+
+    def rank_step_seconds(self) -> list[tuple[float, float]]:
+        """(last step, all steps) in seconds, per rank, as last gathered (every STATS_EVERY_S while steps run)."""
+        return list(self._stats)
 
     def _check_tokens(self, tokens: list[int]) -> None:
         if any(not 0 <= t < self.inner.n_vocab for t in tokens):
@@ -327,9 +334,10 @@ def serve_rank(runner, orders: Any) -> None:
             runner.embed(payload.tolist())
         elif cmd == SCORE:
             runner.score(payload.tolist(), extra)
-        elif cmd == STATS:
-            times = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
-            dist.all_gather(times, torch.tensor([last, total], dtype=torch.float64), group=orders)
+        elif cmd == STATS:  # on the compute group, with its timeout
+            device = runner.device
+            times = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(times, torch.tensor([last, total], dtype=torch.float64, device=device))
 
 
 def _watch_parent(parent: int) -> None:
@@ -377,16 +385,14 @@ def run_rank(spec, settings, rank: int, world: int, addr: str, port: int) -> int
                   settings.torch.tensor_parallel_size)  # fmt: skip
         os._exit(2)
     device, _ = _device(spec, int(os.environ.get("LOCAL_RANK", rank)))
-    tp = _init(rank, world, addr, port, device)
-    runner = load_slice(spec, settings, tp, device)
-    dist.barrier(group=tp.orders)  # loaded: rank 0 waits for this
     code = 0
     try:
+        tp = _init(rank, world, addr, port, device)
+        runner = load_slice(spec, settings, tp, device)
+        dist.barrier(group=tp.orders)  # loaded: rank 0 waits for this
         serve_rank(runner, tp.orders)
-    except dist.DistError as exc:  # rank 0 is gone
-        log.info("rank 0 is gone (%s); stopping", exc)
-    except Exception:  # noqa: BLE001 - this rank's own failure: rank 0 sees it gone and names it
-        log.exception("rank %d failed", rank)
+    except Exception as exc:  # noqa: BLE001 - rank 0 gone (the orders fail), or this rank's own failure
+        log.error("rank %d stops: %s", rank, exc, exc_info=not isinstance(exc, RuntimeError))
         code = 1
     with contextlib.suppress(Exception):
         dist.destroy_process_group()

@@ -144,12 +144,12 @@ class Shards:
             step = shape[1] // self.world
             return t[:, self.rank * step : (self.rank + 1) * step]
         if kind == "row":  # a row-parallel bias is added once, after the sum
-            return t[:] if self.rank == 0 else torch.zeros(shape, dtype=t[:1].dtype)
+            return t[...] if self.rank == 0 else torch.zeros(shape, dtype=t[...].dtype)
         if kind == "vocab":
             rows = -(-shape[0] // self.world)
             part = t[self.rank * rows : min((self.rank + 1) * rows, shape[0])]
             return F.pad(part, (0, 0, 0, rows - part.shape[0])) if part.shape[0] < rows else part
-        return t[:]
+        return t[...]
 
     def _ranges(self, prefix: str, n: int) -> list[tuple[int, int]]:
         """The output rows (of n) this rank computes, as ranges: its share of each part."""
