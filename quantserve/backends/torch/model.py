@@ -227,9 +227,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.sandwich = args.sandwich_norms  # Gemma: a norm after attention, and before and after the MLP
-        self.tp: TensorParallel | None = (
-            None  # set for tensor parallel: attention and MLP outputs are partial sums
-        )
+        # set for tensor parallel: attention and MLP outputs are then partial sums (backends/torch/tp.py)
+        self.tp: TensorParallel | None = None
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)

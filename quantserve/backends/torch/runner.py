@@ -217,9 +217,8 @@ class TorchRunner:
                     logits = self.model.compute_logits(hidden[step.logits_index])  # [S, V] fp32
                     if not self.samples:
                         return [None] * len(plan)
-                    self.sampling = (
-                        True  # past the last collective (tensor parallel): a failure here is local
-                    )
+                    # past the last collective (tensor parallel): a failure here is this step's own
+                    self.sampling = True
                     try:
                         sampled = self.sampler.sample(logits, [plan[k][0] for k in step.sampled])
                     finally:
