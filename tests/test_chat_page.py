@@ -51,6 +51,7 @@ def test_page_and_its_files_are_served_without_the_api_key():
     assert client.get("/static/chat.css").headers["content-type"].startswith("text/css")
     assert client.get("/static/settings.py").status_code == 404
     assert client.get("/v1/models").status_code == 401  # the API itself still needs the key
+    assert client.get("/favicon.ico").status_code == 204  # what a browser asks for on /health's JSON page
 
 
 def test_page_files_ship_as_package_data():

@@ -103,6 +103,10 @@ def create_app(
     async def chat_page():
         return _static("chat.html")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():  # a browser asks for it on any page (/health's JSON too): no icon, and no 401
+        return Response(status_code=204)
+
     @app.get("/static/{name}", include_in_schema=False)
     async def static_file(name: str):
         return _static(name)

@@ -26,7 +26,17 @@ _ROUTES = frozenset(
     }
 )
 # Probes (both spellings) and docs; "/" and /static/*: the chat page, which asks for the key itself.
-_OPEN_PATHS = ("/health", "/healthz", "/ready", "/readyz", "/metrics", "/docs", "/openapi.json", "/")
+_OPEN_PATHS = (
+    "/health",
+    "/healthz",
+    "/ready",
+    "/readyz",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+    "/",
+    "/favicon.ico",
+)
 
 
 async def _send_error(scope, send, status: int, message: str, code: str | None = None, headers=()) -> None:
