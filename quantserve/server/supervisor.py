@@ -26,7 +26,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
@@ -36,6 +35,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from quantserve.core.lifeline import exit_with_parent
 from quantserve.core.rpc import Endpoint, WorkerError, check_workers, hello
 from quantserve.server.errors import (
     ANTHROPIC_ROUTES,
@@ -358,24 +358,6 @@ async def _settle(sup: Supervisor, wait: float = 5.0) -> None:
         await asyncio.sleep(0.1)  # the diagnosis runs right after the child is reaped
 
 
-def _watch_parent(parent: int) -> None:
-    """The child exits when its supervisor is gone (killed without a chance to stop it): on Linux the kernel
-    sends it SIGTERM at once; elsewhere, and as a fallback, its parent is checked every second."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(0)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def child_main() -> int:
     """The child: the ordinary server on the supervisor's Unix socket."""
     from quantserve.errors import QuantserveError
@@ -387,7 +369,7 @@ def child_main() -> int:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )  # fmt: skip
-    _watch_parent(spec["parent"])
+    exit_with_parent(spec["parent"], kernel_signal=True)  # started from the event loop's main thread
     try:
         return serve(settings, uds=spec["socket"])
     except QuantserveError as exc:

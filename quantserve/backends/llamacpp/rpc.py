@@ -31,10 +31,11 @@ _registered: set[Endpoint] = set()
 
 def _lib():
     """libggml as libllama loaded it, with the registry functions typed, and the RPC registry."""
-    from quantserve.backends.llamacpp.library import init_backend, libggml
+    from quantserve.backends.llamacpp.library import init_backend
+    from quantserve.backends.llamacpp.offload import _ggml
 
     init_backend()
-    lib = libggml()
+    lib = _ggml()  # the device functions typed there; the registry's here
     lib.ggml_backend_reg_by_name.restype = ctypes.c_void_p
     lib.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
@@ -42,14 +43,6 @@ def _lib():
     lib.ggml_backend_register.argtypes = [ctypes.c_void_p]
     lib.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
-    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-    lib.ggml_backend_dev_type.restype = ctypes.c_int
-    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-        getattr(lib, name).restype = ctypes.c_char_p
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
     reg = lib.ggml_backend_reg_by_name(b"RPC")
     if not reg:
         raise BackendUnavailableError(

@@ -104,7 +104,7 @@ class TorchBackend:
         device, dtype = pick_device_dtype(spec.config or {})
         tokenizer = HFTokenizer.from_dir(spec.directory)
         if settings.torch.tensor_parallel_size > 1:
-            runner = _load_parallel(spec, settings, tokenizer, device, image_config is not None)
+            runner = _load_parallel(spec, settings, device)
             model = runner.inner.model
             vision = None
         else:
@@ -145,16 +145,13 @@ def load_slice(spec: ModelSpec, settings: EngineSettings, tp, device):
     return TorchRunner(model, HFTokenizer.from_dir(spec.directory), settings, device)
 
 
-def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device, vision: bool):
-    """Rank 0 of --tensor-parallel-size N: start the other ranks, load its own slice, and wrap it."""
+def _load_parallel(spec: ModelSpec, settings: EngineSettings, device):
+    """Rank 0 of --tensor-parallel-size N: start the other ranks, load its own slice, and wrap it (the plan has
+    refused a model that does not split, and a LLaVA one)."""
     import torch
 
-    from quantserve.backends.torch.args import ModelArgs
     from quantserve.backends.torch.tp import RankLostError, TPRunner, start_group, torchrun_rank
-    from quantserve.backends.torch.tp_shard import local_args
 
-    if vision:
-        _split_step(spec, settings.torch.tensor_parallel_size, device.type, vision)  # refuses, naming why
     if device.type == "cuda" and torchrun_rank() is not None:  # one GPU per process, as torchrun numbers them
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -167,9 +164,6 @@ def _load_parallel(spec: ModelSpec, settings: EngineSettings, tokenizer, device,
                 param="tensor_parallel_size",
             )
         device = torch.device("cuda", 0)
-    local_args(
-        ModelArgs.from_hf_config(dict(spec.config or {})), settings.torch.tensor_parallel_size
-    )  # refuse early
     group = start_group(spec.path, settings, device)
     try:
         inner = load_slice(spec, settings, group.tp, device)

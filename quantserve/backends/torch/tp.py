@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from quantserve.backends.torch.tp_shard import TensorParallel
+from quantserve.core.lifeline import exit_with_parent
 from quantserve.errors import ConfigError, InvalidRequestError, ModelUnavailableError
 
 log = logging.getLogger("quantserve.torch")
@@ -340,27 +341,13 @@ def serve_rank(runner, orders: Any) -> None:
             dist.all_gather(times, torch.tensor([last, total], dtype=torch.float64, device=device))
 
 
-def _watch_parent(parent: int) -> None:
-    """A rank exits within a second of rank 0 being gone. (Not the kernel's parent-death signal: that fires when
-    the thread that started the rank ends, and rank 0 starts its ranks from a loading thread.)"""
-    if os.getppid() != parent:
-        os._exit(0)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def rank_main() -> int:
     """A rank >= 1 started by rank 0 (start_group): its orders are in $QUANTSERVE_TP."""
     from quantserve.core.settings import EngineSettings, LlamaCppSettings, TorchSettings
     from quantserve.formats import detect
 
     orders = json.loads(os.environ[ENV])
-    _watch_parent(orders["parent"])
+    exit_with_parent(orders["parent"])  # not the kernel's signal: rank 0 starts ranks from a loading thread
     raw = orders["settings"]
     settings = EngineSettings(
         **{k: v for k, v in raw.items() if k not in ("llamacpp", "torch")},
