@@ -8,7 +8,7 @@ CUDA graph needs: the loop bound is read from `context_lens` on the device.
 
 A sliding window (Gemma, Mistral) starts the loop at the window's first position instead of 0, so a windowed layer
 reads only `window` positions whatever the context; Gemma 2's soft cap bounds the scores by cap * tanh(s / cap)
-before the softmax, in fp32.
+before the softmax, in fp32. gpt-oss's sinks add one logit per head to the softmax's sum, after the loop.
 
 One program per (sequence, KV head) computes all G = H / KV query heads of its group against one pass over the
 group's keys and values (grouped-query attention reads each K/V once), BLOCK_N positions at a time, with the
@@ -32,11 +32,11 @@ tl: Any = None  # triton.language, bound on first use: importing this module nev
 
 
 def _paged_decode(
-    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, sink_ptr, out_ptr,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
     scale, block_size, window, softcap,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    F32_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     """out[b, h] = softmax(cap(q[b, h] . K[b]^T * scale)) V[b] for the G query heads h of KV head program_id(1),
     over the last `window` positions of the context."""
@@ -85,6 +85,12 @@ def _paged_decode(
             p.to(v.dtype), v, input_precision=DOT_PRECISION, out_dtype=tl.float32
         )
         m_i = m_new
+    if SINKS:  # one more logit per head in the softmax's sum, for no value: rescale to max(m, sink) first
+        sink = tl.load(sink_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     acc = acc / l_i[:, None]
     tl.store(
         out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -132,6 +138,7 @@ def paged_decode_attention(
     block_n: int = 64,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its paged context.
 
@@ -144,6 +151,7 @@ def paged_decode_attention(
         scale: multiplies the scores (1 / sqrt(D) for plain attention).
         window: attend to the last `window` positions only (0: all of them).
         softcap: cap the scaled scores by softcap * tanh(s / softcap) (0: none).
+        sinks: [H] one more logit per head in the softmax, attending to nothing (gpt-oss); None: none.
 
     Returns:
         [B, H, D] in q's dtype.
@@ -162,12 +170,12 @@ def paged_decode_attention(
     interp = q.device.type == "cpu"
     kernel = _kernel(interp)
     kernel[(bsz, n_kv)](
-        q, k_cache, v_cache, block_tables, context_lens, out,
+        q, k_cache, v_cache, block_tables, context_lens, sinks if sinks is not None else q, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), scale, block_size, window if window > 0 else 1 << 30, float(softcap or 1.0),
         G=groups, G_PAD=max(16, 1 << (groups - 1).bit_length()), D=dim, D_PAD=max(16, 1 << (dim - 1).bit_length()),
         BLOCK_N=block_n, F32_DOT=interp and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=bool(softcap), num_warps=4,
-        num_stages=2,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SOFTCAP=bool(softcap),
+        SINKS=sinks is not None, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out

@@ -15,8 +15,9 @@ def _interpreter(request, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0" if request.node.get_closest_marker("cuda") else "1")
 
 
-def reference(q, k_cache, v_cache, tables, lens, block_size, scale, window=0, softcap=0.0):
-    """fp64: gather each sequence's last `window` (all) positions, cap the scaled scores, softmax, weight V."""
+def reference(q, k_cache, v_cache, tables, lens, block_size, scale, window=0, softcap=0.0, sinks=None):
+    """fp64: gather each sequence's last `window` (all) positions, cap the scaled scores, softmax (with each head's
+    sink logit as one more column, then dropped), weight V."""
     out = []
     for b in range(q.shape[0]):
         pos = torch.arange(max(0, int(lens[b]) - window) if window else 0, int(lens[b]))
@@ -27,11 +28,16 @@ def reference(q, k_cache, v_cache, tables, lens, block_size, scale, window=0, so
         s = torch.einsum("hd,chd->hc", q[b].double(), k) * scale
         if softcap:
             s = torch.tanh(s / softcap) * softcap
-        out.append(torch.einsum("hc,chd->hd", s.softmax(-1), v))
+        p = (
+            s.softmax(-1)
+            if sinks is None
+            else torch.cat((s, sinks.double()[:, None]), -1).softmax(-1)[:, :-1]
+        )
+        out.append(torch.einsum("hc,chd->hd", p, v))
     return torch.stack(out)
 
 
-def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0, window=0, softcap=0.0):
+def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0, window=0, softcap=0.0, sinks=None):
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // block_size) for n in lens) + 1
     n_blocks = len(lens) * width + 3
@@ -44,10 +50,11 @@ def case(device, dtype, n_heads, n_kv, dim, lens, block_size=16, seed=0, window=
     )
     lens_t = torch.tensor(lens, dtype=torch.int32)
     args = (q, k_cache, v_cache, tables, lens_t, block_size, dim**-0.5)
-    ref = reference(*args, window=window, softcap=softcap)
+    ref = reference(*args, window=window, softcap=softcap, sinks=sinks)
     out = paged_decode_attention(
-        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), window=window, softcap=softcap
-    )
+        *(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), window=window, softcap=softcap,
+        sinks=None if sinks is None else sinks.to(device),
+    )  # fmt: skip
     return out.cpu(), ref
 
 
@@ -94,6 +101,19 @@ def test_windows_and_soft_caps_match_the_reference(dtype, window, softcap):
     if window:
         plain, _ = case("cpu", dtype, 8, 2, 64, [1, 6, 7, 100, 300], softcap=softcap)
         assert not torch.allclose(plain[3:].double(), ref[3:], atol=tol, rtol=tol)  # the window mattered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 6])
+def test_sinks_match_the_reference(dtype, window):
+    """gpt-oss's sinks: one more logit per head in the softmax's sum (some larger than every score, some far
+    below), with and without its 128-token window (6 here)."""
+    sinks = torch.tensor([4.0, -3.0, 0.5, 9.0, -20.0, 1.0, 2.0, 0.0])
+    out, ref = case("cpu", dtype, 8, 2, 64, [1, 6, 7, 100], window=window, sinks=sinks)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+    plain, _ = case("cpu", dtype, 8, 2, 64, [1, 6, 7, 100], window=window)
+    assert not torch.allclose(plain.double(), ref, atol=tol, rtol=tol)  # the sinks mattered
 
 
 def test_errors_name_the_shapes():

@@ -110,6 +110,11 @@ def quantize_checkpoint(
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
+    if (spec.config or {}).get("model_type") == "gpt_oss":
+        raise UnsupportedFormatError(
+            f"{src} is gpt-oss, which `convert --quant {method}` does not quantize yet (its experts are not linears, "
+            "and they ship as MXFP4 already); serve it as it is with --backend torch"
+        )
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs
 

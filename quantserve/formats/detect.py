@@ -12,7 +12,7 @@ from quantserve.errors import ModelFileError, ModelNotFoundError
 from quantserve.formats import sniff
 from quantserve.formats.gguf import read_gguf_info
 from quantserve.formats.hf_config import read_json_object
-from quantserve.formats.hf_quant import detect_hf
+from quantserve.formats.hf_quant import detect_hf, packed_experts
 from quantserve.formats.safetensors_header import read_safetensors_header
 from quantserve.formats.spec import GGUFInfo, ModelSpec, SafetensorsTensor
 
@@ -182,6 +182,8 @@ def _safetensors_spec(path: Path, files: list[Path]) -> ModelSpec:
     config = _config(directory)
     scheme, dtype = detect_hf(config, directory, tensors, metadata)
     fmt, quant = (scheme.name, scheme.describe()) if scheme else ("safetensors", {"dtype": dtype})
+    if scheme is None and packed_experts(config, directory, metadata):  # gpt-oss as released
+        quant["experts"] = "mxfp4"
     arch = None
     if config:
         archs = config.get("architectures")

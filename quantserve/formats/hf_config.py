@@ -156,9 +156,10 @@ GEMMA_DEFAULTS = {
 # has five windowed layers to one global).
 _WINDOWED = {
     "MistralForCausalLM": (4096, 0), "MixtralForCausalLM": (0, 0), "Phi3ForCausalLM": (0, 0),
-    "Gemma2ForCausalLM": (4096, 2), "Gemma3ForCausalLM": (4096, 6),
+    "Gemma2ForCausalLM": (4096, 2), "Gemma3ForCausalLM": (4096, 6), "GptOssForCausalLM": (128, 2),
 }  # fmt: skip
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# those whose layers alternate (layer_types, or the pattern): gpt-oss's windowed layers come first, as Gemma's
+_PER_LAYER = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 # Multimodal checkpoints whose language model the torch backend runs alone (text in, text out): the wrapper's
 # architecture -> its language model's (its config.json's text_config)
 WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -178,7 +179,7 @@ def layer_windows(config: Mapping[str, Any]) -> tuple[int, ...]:
         return ()
     default, every = _WINDOWED[first]
     n = int(config.get("num_hidden_layers") or 26)
-    if first not in _GEMMA:
+    if first not in _PER_LAYER:
         window = int(config.get("sliding_window", default) or 0)
         return (window,) * n if window else ()
     window = int(config.get("sliding_window") or default)  # Gemma's configs mean the default by null too

@@ -20,7 +20,10 @@ def detect_hf(
     """The quantization scheme of a safetensors checkpoint (parsed and checked against its tensor table), or
     None and the dtype of a dense one."""
     qc, where = find_quant_config(config, directory, st_metadata)
-    if qc is not None:
+    packed = packed_experts(config, directory, st_metadata)
+    if packed:  # float weights but for the experts, which the model reads as they ship
+        t = _mxfp4_checked(t, where)
+    elif qc is not None:
         method = quant_method_of(qc)
         scheme = scheme_for_method(method)
         if scheme is None:
@@ -31,7 +34,7 @@ def detect_hf(
         parsed = scheme.parse(qc, where)
         parsed.check(t, where)
         return parsed, None
-    found = any_quantized_layer(t)
+    found = None if packed else any_quantized_layer(t)
     if found:
         raise ModelFileError(
             f"{directory}: {describe_layer(found[0], t)} is {LABELS[found[1]]}-quantized but there is no "
@@ -49,3 +52,39 @@ def detect_hf(
             "and there is no quantization config; convert the checkpoint to fp16/bf16 safetensors"
         )
     return None, FLOAT_DTYPES[dtype]
+
+
+MXFP4 = (
+    "mxfp4"  # gpt-oss's quant_method: its experts are MXFP4 (kernels/mxfp4.py), every other tensor a float
+)
+_PACKED = ("_blocks", "_scales")
+
+
+def packed_experts(config: dict[str, Any] | None, directory: Path, st_metadata: Mapping[str, str]) -> bool:
+    """Whether the checkpoint's quantization config says MXFP4 experts (gpt-oss as released)."""
+    qc, _ = find_quant_config(config, directory, st_metadata)
+    return qc is not None and quant_method_of(qc) == MXFP4
+
+
+def _mxfp4_checked(t: Tensors, where: str) -> Tensors:
+    """The tensors but the MXFP4 ones, once each `*_blocks` [..., N, K/32, 16] is found with its `*_scales`
+    [..., N, K/32], both uint8.
+
+    Raises:
+        ModelFileError: no MXFP4 tensors, or blocks and scales that do not match.
+    """
+    blocks = [n for n in t if n.endswith("_blocks")]
+    if not blocks:
+        raise ModelFileError(f"{where} says quant_method 'mxfp4' but no '*_blocks' tensors exist")
+    for name in blocks:
+        scales = t.get(name.removesuffix("_blocks") + "_scales")
+        b = t[name]
+        if scales is None or b.dtype != "U8" or scales.dtype != "U8" or b.shape[-1:] != (16,) or (
+            b.shape[:-1] != scales.shape
+        ):  # fmt: skip
+            raise ModelFileError(
+                f"{name} ({b.dtype} {b.shape}) has no matching uint8 scales of shape {b.shape[:-1]} "
+                f"(found {scales.dtype + ' ' + str(scales.shape) if scales is not None else 'none'}); MXFP4 "
+                "blocks are [..., N, K/32, 16] and their scales [..., N, K/32]: the checkpoint is damaged"
+            )
+    return {n: x for n, x in t.items() if not n.endswith(_PACKED)}

@@ -141,6 +141,12 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
             classes.append((cls, _quant_label(spec, bits, group)))
         elif prefix in quantized and last in _AUXILIARY:
             continue
+        elif spec.quant.get("experts") == "mxfp4" and last.endswith(
+            ("_blocks", "_scales")
+        ):  # gpt-oss as released
+            if last.endswith("_blocks"):  # two weights a byte (the scales are not weights)
+                n_params += 2 * t.n_elements
+                classes.append((last.removesuffix("_blocks"), "MXFP4"))
         else:
             n_params += t.n_elements
             if last == "weight":

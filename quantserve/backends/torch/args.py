@@ -49,6 +49,12 @@ class ModelArgs:
     final_softcap: float = 0.0
     layer_windows: tuple[int, ...] = ()  # per layer: attend to the last N positions (0: all); empty: none
     rope_local_theta: float = 0.0  # gemma3: the windowed layers' rope base (no scaling); 0: one rope for all
+    # gpt-oss: a learned logit per head in each attention softmax (sinks), a bias on o_proj too, and experts with
+    # biases and a clamped SwiGLU (alpha, limit; backends/torch/gpt_oss.py), shipped as MXFP4 (packed_experts)
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    swiglu: tuple[float, float] = ()
+    packed_experts: bool = False
     # how the checkpoint's names differ from this model's (Mixtral: `block_sparse_moe.experts.E.w1`), as
     # (theirs, ours) fragments
     checkpoint_names: tuple[tuple[str, str], ...] = ()
@@ -113,7 +119,9 @@ class ModelArgs:
             rope["original_max_position_embeddings"] = orig
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
-        moe = _moe_args(cfg, renormalize=True if arch == "mixtral" else None) if arch in MOE else {}
+        renormalize = True if arch in ("mixtral", "gpt_oss") else None  # gpt-oss: softmax over the top k
+        moe = _moe_args(cfg, renormalize) if arch in MOE else {}
+        oss = _gpt_oss_args(cfg) if arch == "gpt_oss" else {}
         try:  # Mistral, Mixtral and Phi-3 window every layer (when set); Gemma's layers each have their own
             windows = layer_windows(cfg)
         except ValueError as exc:
@@ -132,7 +140,7 @@ class ModelArgs:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             # Llama/Qwen2 default to untied; a missing lm_head is caught when loading weights.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),  # Gemma ties by default
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", arch == "gpt_oss")),
             qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
             rope_scaling=scaling,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
@@ -141,6 +149,7 @@ class ModelArgs:
             checkpoint_names=MIXTRAL_NAMES if arch == "mixtral" else (),
             layer_windows=windows,
             **gemma,
+            **oss,
         )
 
 
@@ -186,7 +195,34 @@ def _wrapped_text(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": [WRAPPERS[cfg["architectures"][0]]], "tie_word_embeddings": tied}
 
 
-MOE = ("qwen3_moe", "mixtral")
+def _gpt_oss_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's own fields (transformers' GptOssConfig names and defaults).
+
+    Raises:
+        UnsupportedFormatError: a quantization other than MXFP4 experts, or sizes MXFP4 blocks cannot tile.
+    """
+    qc = cfg.get("quantization_config") or {}
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in (None, "mxfp4"):
+        raise UnsupportedFormatError(
+            f"a gpt-oss checkpoint quantized with {method!r}: the torch backend reads gpt-oss as released (MXFP4 "
+            "experts) or in bf16/fp16/fp32"
+        )
+    ff = cfg.get("intermediate_size")
+    if method == "mxfp4" and (cfg["hidden_size"] % 32 or not isinstance(ff, int) or ff % 32):
+        raise UnsupportedFormatError(
+            f"config.json's hidden_size {cfg['hidden_size']} and intermediate_size {ff} must be multiples of 32 "
+            "for MXFP4 experts (32 values to a scale); the checkpoint's config is damaged"
+        )
+    return {
+        "attn_sinks": True,
+        "attn_out_bias": bool(cfg.get("attention_bias", True)),
+        "swiglu": (float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
+        "packed_experts": method == "mxfp4",
+    }
+
+
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")
 # Mixtral's expert MLPs are w1 (gate), w2 (down) and w3 (up) under `block_sparse_moe`
 MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."),
                  (".w3.", ".up_proj."))  # fmt: skip

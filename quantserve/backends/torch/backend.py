@@ -58,6 +58,8 @@ class TorchBackend:
             weights = f"read the dense {spec.quant.get('dtype', '?')} weights and quantize them to {quant} (RTN W4A16)"
         else:
             weights = f"read the dense {spec.quant.get('dtype', '?')} weights"
+        if spec.quant.get("experts") == "mxfp4":
+            weights += " (the experts as MXFP4, as they ship: 4.25 bits a weight, decoded in the matmul)"
         llava = is_llava(spec.config)
         steps = [f"{weights}, {where}"]
         if llava:

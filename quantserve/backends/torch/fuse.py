@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from quantserve.backends.torch.model import Transformer
+from quantserve.backends.torch.model import MLP, Transformer
 from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.quant_linear import QuantLinear
 from quantserve.kernels.marlin import concat_n
@@ -80,7 +80,7 @@ def fuse_projections(model: Transformer) -> int:
             attn.qkv_proj = qkv
             del attn.q_proj, attn.k_proj, attn.v_proj
             count += 1
-        if isinstance(mlp, SparseMoe):
+        if not isinstance(mlp, MLP):  # a mixture of experts
             continue
         gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj], f"model.layers.{i}.mlp.gate_up_proj")
         if gate_up is not None:

@@ -1,5 +1,6 @@
-"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, gemma2, gemma3) in
-plain PyTorch, in the spirit of gpt-fast. A qwen3_moe or mixtral layer's MLP is a mixture of experts (moe.py).
+"""A compact Llama-family transformer (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, gemma2, gemma3,
+gpt_oss) in plain PyTorch, in the spirit of gpt-fast. A qwen3_moe or mixtral layer's MLP is a mixture of experts
+(moe.py), a gpt_oss one its own (gpt_oss.py), and gpt-oss's attention has sinks.
 Gemma's differences (ModelArgs says which apply): norms around attention and the MLP, GeGLU, a scaled embedding,
 query_pre_attn_scalar, tanh caps on the logits, windowed layers with their own rope base.
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantserve.backends.torch.args import ModelArgs
+from quantserve.backends.torch.gpt_oss import OssMoe
 from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
 from quantserve.backends.torch.step import DecodeBatch, StepBatch
@@ -62,21 +64,28 @@ def attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [B, H, Q, D] over k, v [B, KV, C, D]; `mask` bool, broadcastable to [B, H, Q, C] (True:
     attend), None: causal. With `softcap`, the scores are capped by softcap * tanh(s / softcap) before the
-    softmax (Gemma 2), which SDPA cannot do: computed in fp32 as transformers' eager attention does."""
-    if not softcap:
+    softmax (Gemma 2); with `sinks` [H], each head's softmax has one more logit, attending to nothing (gpt-oss).
+    SDPA does neither: those are computed in fp32 as transformers' eager attention does."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1).float(), v.repeat_interleave(rep, dim=1).float()
     s = (q.float() @ k.transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if mask is None:
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
-    return (s.masked_fill(~mask, float("-inf")).softmax(-1) @ v).to(q.dtype)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (s.softmax(-1) @ v).to(q.dtype)
+    sink = sinks.float()[None, :, None, None].expand(*s.shape[:-1], 1)
+    return (torch.cat((s, sink), dim=-1).softmax(-1)[..., :-1] @ v).to(q.dtype)
 
 
 def window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
@@ -99,7 +108,9 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(d, sizes[0], bias=bias)
             self.k_proj = nn.Linear(d, sizes[1], bias=bias)
             self.v_proj = nn.Linear(d, sizes[2], bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=args.attn_out_bias)
+        # gpt-oss: each head's learned logit for attending to nothing (fp32, like the scores it joins)
+        self.sinks = nn.Parameter(torch.empty(self.n_heads), requires_grad=False) if args.attn_sinks else None
         if args.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
@@ -132,7 +143,13 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             mask = window_mask(q.shape[1], self.window, q.device) if self.window else None
             out = attend(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale, self.softcap
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                mask,
+                self.scale,
+                self.softcap,
+                self.sinks,
             ).transpose(1, 2)
         else:
             cache = self.cache
@@ -150,7 +167,7 @@ class Attention(nn.Module):
         assert cache is not None
         return paged_decode_attention(
             q, cache.k, cache.v, d.block_tables, d.context_lens, d.block_size, self.scale,
-            window=self.window, softcap=self.softcap,
+            window=self.window, softcap=self.softcap, sinks=self.sinks,
         )  # fmt: skip
 
     def _paged(self, q: torch.Tensor, step: StepBatch) -> torch.Tensor:
@@ -169,7 +186,7 @@ class Attention(nn.Module):
             vals = cache.v[d.kv_cells].transpose(1, 2)
             mask = d.window_mask(self.window) if self.window else d.mask
             o = attend(
-                q[d.q_index][:, :, None, :], keys, vals, mask, self.scale, self.softcap
+                q[d.q_index][:, :, None, :], keys, vals, mask, self.scale, self.softcap, self.sinks
             )  # [B, H, 1, D]
             out[d.q_index] = o[:, :, 0, :]
         if (p := step.prefill) is not None:
@@ -177,7 +194,7 @@ class Attention(nn.Module):
             vals = cache.v[p.kv_cells].transpose(1, 2)
             mask = p.window_mask(self.window) if self.window else p.mask
             o = attend(
-                q[p.q_index].transpose(1, 2), keys, vals, mask, self.scale, self.softcap
+                q[p.q_index].transpose(1, 2), keys, vals, mask, self.scale, self.softcap, self.sinks
             )  # [P, H, Q, D]
             out[p.q_index[p.q_valid]] = o.transpose(1, 2)[p.q_valid]
         return out
@@ -213,17 +230,13 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = Attention(args, layer_idx)
-        self.mlp: nn.Module = (
-            SparseMoe(
-                args.hidden_size,
-                args.moe_intermediate_size,
-                args.num_experts,
-                args.num_experts_per_tok,
-                args.norm_topk_prob,
-            )
-            if args.num_experts
-            else MLP(args)
-        )
+        self.mlp: nn.Module = MLP(args)
+        if args.swiglu:  # gpt-oss
+            self.mlp = OssMoe(args.num_experts, args.num_experts_per_tok, args.hidden_size,
+                              args.moe_intermediate_size, *args.swiglu, packed=args.packed_experts)  # fmt: skip
+        elif args.num_experts:
+            self.mlp = SparseMoe(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                 args.num_experts_per_tok, args.norm_topk_prob)  # fmt: skip
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.sandwich = args.sandwich_norms  # Gemma: a norm after attention, and before and after the MLP

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from quantserve.backends.torch.gpt_oss import OssMoe
 from quantserve.backends.torch.graphs import DecodeGraphs
 from quantserve.backends.torch.model import KVCache, Transformer
 from quantserve.backends.torch.moe import SparseMoe
@@ -134,7 +135,10 @@ class TorchRunner:
         if model.tp is not None and device.type == "cuda":
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs around the all-reduces yet)")
         elif device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
-            looped = any(isinstance(x.mlp, SparseMoe) and x.mlp.grouped is None for x in model.model.layers)
+            looped = any(
+                isinstance(x.mlp, OssMoe) or (isinstance(x.mlp, SparseMoe) and x.mlp.grouped is None)
+                for x in model.model.layers
+            )
             if looped or dict(a.rope_scaling).get("rope_type") == "longrope":
                 # experts looped over route on the host; LongRoPE picks its table by the step's longest position
                 log.info(

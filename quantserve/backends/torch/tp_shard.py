@@ -78,6 +78,12 @@ def local_args(args, world: int):
     Raises:
         ConfigError: a dimension that does not split evenly over `world` ranks, named.
     """
+    if args.attn_sinks or args.swiglu:
+        raise ConfigError(
+            f"--tensor-parallel-size {world}: gpt-oss does not run split yet (its attention sinks and biased experts "
+            "are not sharded); serve it on one GPU with --tensor-parallel-size 1",
+            param="tensor_parallel_size",
+        )
     checks = {
         "attention heads (num_attention_heads)": args.num_attention_heads,
         "KV heads (num_key_value_heads)": args.num_key_value_heads,

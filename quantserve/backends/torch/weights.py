@@ -113,11 +113,13 @@ def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
 
 def decoder_linears(model: Transformer) -> list[str]:
     """Prefixes of the linears inside decoder layers (what GPTQ/AWQ quantize; lm_head and MoE routers stay
-    dense)."""
+    dense; gpt-oss's experts are not linears: they keep the checkpoint's own MXFP4 or float weights)."""
     return [
         n
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and n.startswith("model.layers.") and not n.endswith(".mlp.gate")
+        if isinstance(m, nn.Linear)
+        and n.startswith("model.layers.")
+        and not n.endswith((".mlp.gate", ".mlp.router"))
     ]
 
 

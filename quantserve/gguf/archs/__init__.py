@@ -183,11 +183,12 @@ def language_model_name(hf_name: str) -> str | None:
 def archs() -> dict[str, ArchSpec]:
     """Every architecture by its name (ArchSpec.name), each module imported on the first call."""
     from quantserve.gguf.archs.gemma import GEMMA2, GEMMA3
+    from quantserve.gguf.archs.gpt_oss import GPT_OSS
     from quantserve.gguf.archs.llama import LLAMA, MIXTRAL
     from quantserve.gguf.archs.phi import PHI3
     from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_MOE
 
-    specs = (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3)
+    specs = (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, GPT_OSS)
     return {spec.name: spec for spec in specs}
 
 

@@ -1,0 +1,76 @@
+"""gpt-oss's mixture of experts: a router with a bias, and experts whose MLPs carry biases and a clamped SwiGLU.
+
+Under the checkpoint's own names (transformers' GptOssMLP): `mlp.router.{weight,bias}`, and every expert stacked in
+`mlp.experts.gate_up_proj` [E, hidden, 2 * ff] (gate and up interleaved: gate in the even columns) and
+`mlp.experts.down_proj` [E, ff, hidden], each with a `_bias` [E, out]. The released checkpoints ship the two
+projections as MXFP4 instead (`gate_up_proj_blocks` / `_scales` [E, 2 * ff, hidden / 32, (16)] and `down_proj_…`,
+each expert's weight in the [out, in] layout of a linear; kernels/mxfp4.py). They are kept as they ship: 4.25 bits
+a weight in memory, decoded one expert at a time in the matmul (the Triton kernel on CUDA, a transient dequantize
+on the CPU), never expanded at load.
+
+The router takes each token's top-k logits and softmaxes them (the same weights as a softmax over all experts
+renormalised over the top k). An expert computes, for h = x W_gate_up + b: gate = min(h_even, limit),
+up = clamp(h_odd, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate), then W_down and its bias.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantserve.kernels import mxfp4
+
+
+def _bytes(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+
+class OssExperts(nn.Module):
+    def __init__(self, n: int, hidden: int, ff: int, alpha: float, limit: float, packed: bool):
+        super().__init__()
+        self.alpha, self.limit, self.packed = alpha, limit, packed
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n, 2 * ff), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(n, hidden), requires_grad=False)
+        if packed:  # uint8: untouched by the model's .to(dtype)
+            self.gate_up_proj_blocks = _bytes(n, 2 * ff, hidden // 32, 16)
+            self.gate_up_proj_scales = _bytes(n, 2 * ff, hidden // 32)
+            self.down_proj_blocks = _bytes(n, hidden, ff // 32, 16)
+            self.down_proj_scales = _bytes(n, hidden, ff // 32)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(n, hidden, 2 * ff), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(n, ff, hidden), requires_grad=False)
+
+    def _linear(self, x: torch.Tensor, e: int, which: str) -> torch.Tensor:
+        bias = getattr(self, f"{which}_bias")[e]
+        if not self.packed:
+            return torch.addmm(bias.to(x.dtype), x, getattr(self, which)[e])
+        blocks, scales = getattr(self, f"{which}_blocks")[e], getattr(self, f"{which}_scales")[e]
+        if x.device.type == "cuda":
+            return mxfp4.mxfp4_linear(x, blocks, scales, bias)
+        return mxfp4.mxfp4_linear_ref(x, blocks, scales, bias)
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert e's output for its tokens x [n, hidden]."""
+        h = self._linear(x, e, "gate_up_proj")
+        gate = h[:, 0::2].clamp(max=self.limit)
+        up = h[:, 1::2].clamp(-self.limit, self.limit)
+        return self._linear((up + 1) * gate * torch.sigmoid(gate * self.alpha), e, "down_proj")
+
+
+class OssMoe(nn.Module):
+    def __init__(self, n: int, top_k: int, hidden: int, ff: int, alpha: float, limit: float, packed: bool):
+        super().__init__()
+        self.router = nn.Linear(hidden, n, bias=True)
+        self.experts = OssExperts(n, hidden, ff, alpha, limit, packed)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        top, chosen = self.router(flat).topk(self.top_k, dim=-1)
+        weights = F.softmax(top.float(), dim=-1).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():  # the chosen experts, read on the host: no CUDA graph
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts.expert(flat[rows], e) * weights[rows, slot, None])
+        return out.reshape(x.shape)

@@ -1,0 +1,236 @@
+"""gpt-oss on the torch backend, against transformers on the same tiny random weights (4 layers, windowed and full
+alternating with a window of 8, shorter than the prompts; sinks, attention and expert biases, YaRN): as a float
+checkpoint and as released, with MXFP4 experts. transformers cannot load an MXFP4 checkpoint on this machine
+(it needs accelerate), so its reference for that one is the float checkpoint its own MXFP4 dequantizer
+(integrations/mxfp4.py) makes from the same blocks. The MXFP4 kernel is checked against dequantize-then-matmul."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import triton  # noqa: F401 - before any test sets TRITON_INTERPRET (see test_w4a16_kernels.py)
+from safetensors.torch import load_file, save_file
+
+from quantserve.backends.torch.args import ModelArgs
+from quantserve.backends.torch.tokenizer import HFTokenizer
+from quantserve.backends.torch.weights import load_model
+from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
+from quantserve.formats import detect, read_gguf_info
+from quantserve.kernels import mxfp4
+from tests.test_torch_engine import make_engine
+from tests.test_torch_moe import LONG, PROMPTS, _together
+
+CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+              max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)  # fmt: skip
+CPU = torch.device("cpu")
+
+
+def _copy_json(src: Path, dst: Path) -> None:
+    for f in src.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, dst)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
+    """float: transformers' own save; mxfp4: its experts as MXFP4 blocks (released layout), and mxfp4-ref: those
+    blocks dequantized by transformers, for transformers to run."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("sinks", "router.weight", "router.bias")):
+                p.normal_(0, 1.0)  # sinks that weigh, a router that prefers some experts
+            else:
+                p.normal_(0, 0.1)
+    dense = tmp_path_factory.mktemp("gpt-oss")
+    model.save_pretrained(dense)
+    tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(dense)
+    packed, ref = tmp_path_factory.mktemp("gpt-oss-mxfp4"), tmp_path_factory.mktemp("gpt-oss-mxfp4-ref")
+    blocks, floats = {}, {}
+    for name, t in load_file(dense / "model.safetensors").items():
+        if name.endswith(
+            ("experts.gate_up_proj", "experts.down_proj")
+        ):  # [E, in, out] -> blocks of [E, out, in]
+            b, s = mxfp4.quantize(t.transpose(1, 2))
+            blocks |= {f"{name}_blocks": b, f"{name}_scales": s}
+            floats[name] = convert_moe_packed_tensors(b, s, dtype=torch.float32)
+        else:
+            blocks[name] = floats[name] = t
+    save_file(blocks, packed / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, ref / "model.safetensors", metadata={"format": "pt"})
+    for d in (packed, ref):
+        _copy_json(dense, d)
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (packed / "config.json").write_text(json.dumps(config))
+    return {"float": dense, "mxfp4": packed, "mxfp4-ref": ref}
+
+
+def _reference(checkpoints, kind: str) -> transformers.PreTrainedModel:
+    src = checkpoints["mxfp4-ref" if kind == "mxfp4" else kind]
+    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_prompt_logits_equal_transformers(kind, checkpoints):
+    model = load_model(detect(checkpoints[kind]), dtype=torch.float32, device=CPU)
+    ref = _reference(checkpoints, kind)
+    ids = torch.tensor([LONG])  # 41 tokens: five windows of 8
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+        got = model.compute_logits(model(ids)[0])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    sinks = model.model.layers[0].self_attn.sinks
+    with torch.no_grad():  # the sinks are live: without them the logits move
+        sinks.fill_(float("-inf"))
+        assert (model.compute_logits(model(ids)[0]) - want).abs().max() > 1e-2 * want.abs().max()
+
+
+def test_mxfp4_experts_load_as_they_ship(checkpoints):
+    """The experts hold the checkpoint's own bytes (blocks and scales, 4.25 bits a weight), no float copy."""
+    model = load_model(detect(checkpoints["mxfp4"]), dtype=torch.bfloat16, device=CPU)
+    shipped = {n: t for n, t in load_file(checkpoints["mxfp4"] / "model.safetensors").items()
+               if n.endswith(("_blocks", "_scales"))}  # fmt: skip
+    held = {n: p for n, p in model.named_parameters() if n.endswith(("_blocks", "_scales"))}
+    assert held.keys() == shipped.keys()
+    assert all(torch.equal(held[n], shipped[n]) for n in held)
+    loaded = sum(p.numel() * p.element_size() for p in held.values())
+    assert loaded == sum(t.numel() for t in shipped.values())
+    n_weights = sum(
+        4 * 2 * 64 * 64 + 4 * 64 * 64 for _ in range(4)
+    )  # gate|up and down of 4 experts, 4 layers
+    assert loaded * 8 / n_weights == 4.25
+    assert not any(
+        "experts" in n and p.is_floating_point() and p.dim() == 3 for n, p in model.named_parameters()
+    )
+    assert detect(checkpoints["mxfp4"]).quant == {"dtype": "float32", "experts": "mxfp4"}
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_batched_chunked_cached_greedy_equals_transformers_alone(kind, checkpoints):
+    src = checkpoints[kind]
+    model = load_model(detect(src), dtype=torch.float32, device=CPU)
+    ref = _reference(checkpoints, kind)
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    engine, _ = make_engine((model, HFTokenizer.from_dir(src)), max_num_seqs=4, kv_tokens=1024, n_batch=8,
+                            caching=True)  # fmt: skip
+    assert _together(engine, PROMPTS, 10) == want  # chunks of 8 tokens mix prefill with decode
+    assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 32  # its first two blocks cached
+    assert engine.kv.num_used == 0
+    alone, _ = make_engine((model, HFTokenizer.from_dir(src)), max_num_seqs=1, kv_tokens=1024, n_batch=14)
+    assert _together(alone, [LONG], 10) == [want[1]]  # 41 tokens in 3 chunks: 14, 14, 13
+
+
+def test_preemption_recomputes_exactly(checkpoints):
+    src = checkpoints["mxfp4"]
+    model = load_model(detect(src), dtype=torch.float32, device=CPU)
+    tok = HFTokenizer.from_dir(src)
+    engine, _ = make_engine(
+        (model, tok), max_num_seqs=4, kv_tokens=64
+    )  # 4 blocks of 16: someone is preempted
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))[1]
+    got = _together(engine, PROMPTS[:3], 24)
+    assert preempted
+    alone, _ = make_engine((model, tok), max_num_seqs=1, kv_tokens=512)
+    assert got == [_together(alone, [p], 24)[0] for p in PROMPTS[:3]]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_mxfp4_kernel_equals_dequantize_then_matmul(dtype, m, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(m)
+    blocks, scales = mxfp4.quantize(torch.randn(96, 160, generator=gen))
+    x = torch.randn(m, 160, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    want = mxfp4.mxfp4_linear_ref(x.float(), blocks, scales, bias.float())
+    got = mxfp4.mxfp4_linear(x, blocks, scales, bias)
+    assert got.dtype == dtype
+    # the output's own rounding to bf16: one unit in the last place, as Triton's interpreter truncates
+    rounding = 0.0 if dtype == torch.float32 else 2.0**-7
+    assert ((got.float() - want).abs() / (want.abs() * rounding + want.abs().max() * 1e-3)).max() < 1
+
+
+def test_mxfp4_dequantize_matches_transformers_and_quantize_is_close():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    w = torch.randn(3, 64, 96, generator=torch.Generator().manual_seed(1))
+    blocks, scales = mxfp4.quantize(w)
+    got = mxfp4.dequantize(blocks, scales)
+    assert torch.equal(got.transpose(1, 2), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    # every block's largest value within 6 of its scale: the error is at most half a step of 2 at the top
+    step = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+    assert ((got - w).abs() <= step).all()
+
+
+def test_damaged_mxfp4_tensors_are_refused_before_loading(checkpoints, tmp_path):
+    _copy_json(checkpoints["mxfp4"], tmp_path)
+    tensors = load_file(checkpoints["mxfp4"] / "model.safetensors")
+    tensors["model.layers.1.mlp.experts.down_proj_scales"] = tensors[
+        "model.layers.1.mlp.experts.down_proj_scales"
+    ][:, :, :1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelFileError, match=r"model\.layers\.1\.mlp\.experts\.down_proj_blocks .*scales"):
+        detect(tmp_path)
+
+
+def test_config_errors_are_named(checkpoints):
+    config = json.loads((checkpoints["mxfp4"] / "config.json").read_text())
+    with pytest.raises(UnsupportedFormatError, match="layer_types"):
+        ModelArgs.from_hf_config({**config, "layer_types": ["full_attention"] * 3})
+    with pytest.raises(UnsupportedFormatError, match="multiples of 32"):
+        ModelArgs.from_hf_config({**config, "intermediate_size": 48})
+    with pytest.raises(UnsupportedFormatError, match="'gptq'"):
+        ModelArgs.from_hf_config({**config, "quantization_config": {"quant_method": "gptq"}})
+    from quantserve.backends.torch.tp_shard import local_args
+
+    with pytest.raises(ConfigError, match="gpt-oss does not run split"):
+        local_args(ModelArgs.from_hf_config(config), 2)
+
+
+def test_quantizers_and_the_gguf_writer_refuse_it_by_name(checkpoints, tmp_path):
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+    from quantserve.gguf.hf_to_gguf import hf_to_gguf
+
+    with pytest.raises(UnsupportedFormatError, match="gpt-oss"):
+        quantize_checkpoint(checkpoints["float"], tmp_path / "q", "rtn")
+    with pytest.raises(UnsupportedFormatError, match="gpt-oss as GGUF"):
+        hf_to_gguf(checkpoints["float"], tmp_path / "x.gguf", "f16")
+    assert not list(tmp_path.iterdir())
+
+
+def test_served_as_released_through_the_openai_client(checkpoints, tmp_path):
+    """`quantserve run` on the MXFP4 checkpoint, with no backend named: the torch backend, and the client's answer
+    is the engine's own greedy tokens (the tiny model's text means nothing)."""
+    from tests.conftest import ask_openai, start_server
+
+    srv = start_server(tmp_path, str(checkpoints["mxfp4"]))
+    r, _ = ask_openai(srv)
+    model = load_model(detect(checkpoints["mxfp4"]), dtype=torch.float32, device=CPU)
+    tok = HFTokenizer.from_dir(checkpoints["mxfp4"])
+    engine, runner = make_engine((model, tok), max_num_seqs=1, kv_tokens=512)
+    ids = runner.tokenize("The capital of France is", add_special=True, parse_special=False)
+    text = b"".join(tok.token_bytes(t) for t in _together(engine, [ids], 8)[0]).decode("utf-8", "replace")
+    assert r.choices[0].text == text
+    assert "the torch backend runs it" in srv.log()
