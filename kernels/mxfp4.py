@@ -5,8 +5,8 @@ Layout (gpt-oss's checkpoints; transformers' integrations/mxfp4.py reads the sam
 - `blocks` uint8 [N, K / 32, 16]: byte j of a block holds element 2j in its low nibble and 2j + 1 in its high one;
 - `scales` uint8 [N, K / 32]: block b of row n is multiplied by 2^(scales[n, b] - 127).
 A nibble is sign (bit 3), exponent (bits 2..1) and mantissa (bit 0): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
-negatives. Every value is exact in bf16, fp16 and fp32, and so is its product with the scale (a power of two), so
-dequantizing loses nothing.
+negatives. Every value is exact in bf16 and fp32, and so is its product with the scale (a power of two), so
+dequantizing to them loses nothing (fp16 holds the products only within its narrower exponent range).
 
 Two ways to multiply: `mxfp4_linear_ref` dequantizes the weight (a transient, one expert at a time) and runs a
 matmul: the CPU path and the tests' reference. `mxfp4_linear` is a Triton GEMM that decodes the nibbles in

@@ -73,7 +73,9 @@ def test_the_torch_backend_runs_what_the_registry_marks():
 def test_every_tensor_name_table_agrees_with_gguf_pys_own_map():
     """The archs' HF <-> GGUF name tables (both directions need one table) say what gguf-py's tensor map for that
     architecture says (`gguf.get_tensor_name_map`, what convert_hf_to_gguf.py maps with), experts included as
-    llama.cpp's converters name them once stacked; tensors an arch drops (Gemma 2's lm_head) excepted."""
+    llama.cpp's converters name them once stacked (or split, for gpt-oss's gate|up: each part as
+    conversion/gpt_oss.py names it before mapping); tensors an arch drops (Gemma 2's lm_head) excepted. A name
+    without a suffix (gpt-oss's sinks) gets `.weight`, as that converter gives it."""
     import gguf
 
     from quantserve.gguf.archs import GLOBAL_TENSORS, archs
@@ -84,5 +86,11 @@ def test_every_tensor_name_table_agrees_with_gguf_pys_own_map():
         pairs = [p for p in GLOBAL_TENSORS if p[0] not in spec.skip_tensors]
         pairs += [(f"model.layers.1.{hf}", f"blk.1.{name}") for hf, name in spec.layer_tensors]
         pairs += [(f"model.layers.1.{spec.expert_prefix}.{hf}", f"blk.1.{name}") for hf, name in spec.experts]
+        for hf, parts in spec.stacked:
+            for name, _ in parts:  # mlp.experts.gate_up_proj_bias -> its gate part mlp.experts.gate_proj.bias
+                kind = "bias" if hf.endswith("_bias") else "weight"
+                part = name.split(".")[0].removeprefix("ffn_").removesuffix("_exps")
+                pairs.append((f"model.layers.1.mlp.experts.{part}_proj.{kind}", f"blk.1.{name}"))
         for hf, name in pairs:
+            hf = hf if hf.endswith((".weight", ".bias")) else hf + ".weight"
             assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) == name, (spec.name, hf)

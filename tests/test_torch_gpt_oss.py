@@ -40,6 +40,10 @@ def _copy_json(src: Path, dst: Path) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
+    return make_checkpoints(smollm2_gguf, tmp_path_factory)
+
+
+def make_checkpoints(smollm2_gguf: Path, tmp_path_factory) -> dict[str, Path]:
     """float: transformers' own save; mxfp4: its experts as MXFP4 blocks (released layout), and mxfp4-ref: those
     blocks dequantized by transformers, for transformers to run."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -209,23 +213,20 @@ def test_config_errors_are_named(checkpoints):
         local_args(ModelArgs.from_hf_config(config), 2)
 
 
-def test_quantizers_and_the_gguf_writer_refuse_it_by_name(checkpoints, tmp_path):
+def test_the_quantizers_refuse_it_by_name(checkpoints, tmp_path):
     from quantserve.converters.calibration.quantize import quantize_checkpoint
-    from quantserve.gguf.hf_to_gguf import hf_to_gguf
 
     with pytest.raises(UnsupportedFormatError, match="gpt-oss"):
         quantize_checkpoint(checkpoints["float"], tmp_path / "q", "rtn")
-    with pytest.raises(UnsupportedFormatError, match="gpt-oss as GGUF"):
-        hf_to_gguf(checkpoints["float"], tmp_path / "x.gguf", "f16")
     assert not list(tmp_path.iterdir())
 
 
 def test_served_as_released_through_the_openai_client(checkpoints, tmp_path):
-    """`quantserve run` on the MXFP4 checkpoint, with no backend named: the torch backend, and the client's answer
-    is the engine's own greedy tokens (the tiny model's text means nothing)."""
+    """`quantserve run --backend torch` on the MXFP4 checkpoint: the client's answer is the engine's own greedy
+    tokens (the tiny model's text means nothing)."""
     from tests.conftest import ask_openai, start_server
 
-    srv = start_server(tmp_path, str(checkpoints["mxfp4"]))
+    srv = start_server(tmp_path, str(checkpoints["mxfp4"]), "--backend", "torch")
     r, _ = ask_openai(srv)
     model = load_model(detect(checkpoints["mxfp4"]), dtype=torch.float32, device=CPU)
     tok = HFTokenizer.from_dir(checkpoints["mxfp4"])
@@ -233,4 +234,28 @@ def test_served_as_released_through_the_openai_client(checkpoints, tmp_path):
     ids = runner.tokenize("The capital of France is", add_special=True, parse_special=False)
     text = b"".join(tok.token_bytes(t) for t in _together(engine, [ids], 8)[0]).decode("utf-8", "replace")
     assert r.choices[0].text == text
-    assert "the torch backend runs it" in srv.log()
+    assert "the experts as MXFP4, as they ship" in srv.log()
+
+
+def test_eager_attention_in_slices_of_queries_is_the_same(monkeypatch):
+    """attend's fp32 path (sinks, soft caps) runs a slice of the queries at a time to bound its scores' memory
+    whatever the context: the slices give the one-pass result, masks of every shape."""
+    from quantserve.backends.torch import model as m
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, 8, 37, 16, generator=gen),
+        torch.randn(2, 2, 50, 16, generator=gen),
+        torch.randn(2, 2, 50, 16, generator=gen),
+    )
+    sinks = torch.randn(8, generator=gen)
+    for mask in (
+        None,
+        torch.rand(2, 1, 37, 50, generator=gen) > 0.3,
+        torch.rand(2, 1, 1, 50, generator=gen) > 0.3,
+    ):
+        for softcap, s in ((0.0, sinks), (3.0, sinks), (5.0, None)):
+            whole = m.attend(q, k, v, mask, 0.25, softcap, s)
+            monkeypatch.setattr(m, "_EAGER_SCORES", 2 * 8 * 50 * 4 * 5)  # 5 queries a slice
+            assert torch.allclose(m.attend(q, k, v, mask, 0.25, softcap, s), whole, atol=1e-6)
+            monkeypatch.undo()

@@ -108,6 +108,11 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
             "`llama-gguf-split --merge FIRST_PART merged.gguf`"
         )
     spec = arch_for_gguf(info.architecture, frozenset(t.name for t in info.tensors))
+    if spec.stacked:
+        raise UnsupportedFormatError(
+            f"{src.name} is {spec.gguf_arch}, which quantserve does not convert from GGUF to HF (its experts would "
+            "have to be restacked and its MXFP4 blocks unpacked); use the original HF checkpoint"
+        )
     check_destination(dst, force)
     reader = GGUFTensorReader(info)
     small = {t.name: t for t in info.tensors if t.name in _SKIP}

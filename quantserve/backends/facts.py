@@ -11,7 +11,7 @@ from quantserve.chat.template import read_template_file
 from quantserve.core.plan import CAPABILITIES, KVPlan, ModelPlan, TemplateSource
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError
-from quantserve.formats import ModelSpec, read_gguf_info
+from quantserve.formats import ModelSpec, read_gguf_info, read_safetensors_header
 from quantserve.formats.hf_config import find_chat_template
 
 _SOURCE_BITS = {"F32": 32, "F16": 16, "BF16": 16, "float32": 32, "float16": 16, "bfloat16": 16}
@@ -101,7 +101,13 @@ def weight_bytes(spec: ModelSpec, quant: str | None) -> int:
     bits = _target_bits(quant)
     source = _SOURCE_BITS.get(str(spec.quant.get("dtype", "")))
     if bits is not None and source is not None:
-        weights = int(weights * bits / source)
+        kept = 0  # gpt-oss's MXFP4 experts keep their bytes whatever the rest becomes
+        if spec.quant.get("experts") == "mxfp4":
+            headers = [read_safetensors_header(f) for f in spec.files]
+            kept = sum(
+                t.n_bytes for h in headers for n, t in h.tensors.items() if n.endswith(("_blocks", "_scales"))
+            )
+        weights = kept + int((weights - kept) * bits / source)
     return weights
 
 

@@ -61,9 +61,10 @@ _PACKED = ("_blocks", "_scales")
 
 
 def packed_experts(config: dict[str, Any] | None, directory: Path, st_metadata: Mapping[str, str]) -> bool:
-    """Whether the checkpoint's quantization config says MXFP4 experts (gpt-oss as released)."""
+    """Whether the checkpoint is gpt-oss as released: its quantization config says MXFP4 (the experts). Another
+    model saying so is left to detect_hf, which names the method as one quantserve does not read."""
     qc, _ = find_quant_config(config, directory, st_metadata)
-    return qc is not None and quant_method_of(qc) == MXFP4
+    return qc is not None and quant_method_of(qc) == MXFP4 and (config or {}).get("model_type") == "gpt_oss"
 
 
 def _mxfp4_checked(t: Tensors, where: str) -> Tensors:

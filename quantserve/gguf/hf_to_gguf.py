@@ -37,7 +37,8 @@ def hf_to_gguf(
     nthread: int | None = None,
     imatrix_label: str | None = None,
 ) -> Path:
-    """Convert an HF checkpoint (llama, mistral, qwen2, qwen3, and the MoE qwen3_moe and mixtral) to one GGUF file.
+    """Convert an HF checkpoint (llama, mistral, qwen2, qwen3, phi3, gemma2/3, and the MoE qwen3_moe, mixtral and
+    gpt_oss, whose MXFP4 experts stay MXFP4) to one GGUF file.
 
     F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are written directly with gguf-py (what convert_hf_to_gguf.py,
     then llama-quantize for the 4/5-bit types, would produce). K-quants, and any type with an importance
@@ -85,6 +86,12 @@ def hf_to_gguf(
     )
     source = SafetensorsSource(spec_model)
     native = target.direct is None or imatrix is not None
+    if native and spec_model.quant.get("experts") == "mxfp4":
+        raise ConfigError(
+            f"--quant {target.name}: {src.name}'s experts are MXFP4 already, which llama.cpp's quantizer will not "
+            "requantize; use q8_0, bf16 or f16, which keep the experts MXFP4 and give the rest that type",
+            param="quant",
+        )
     first = QUANTS[_INTERMEDIATE[spec_model.quant["dtype"]]] if native else target
     tensors = plan_tensors(arch, source, hp, first)
     size = sum(t.n_bytes for t in tensors)

@@ -103,6 +103,14 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(factor)
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if (ext := rope.get("extrapolation_factor")) is not None:
+            writer.add_rope_scaling_yarn_ext_factor(ext)
+        if (attn := rope.get("attention_factor", rope.get("attn_factor"))) is not None:
+            writer.add_rope_scaling_yarn_attn_factor(attn)
+        if (beta_fast := rope.get("beta_fast")) is not None:
+            writer.add_rope_scaling_yarn_beta_fast(beta_fast)
+        if (beta_slow := rope.get("beta_slow")) is not None:
+            writer.add_rope_scaling_yarn_beta_slow(beta_slow)
     elif rope_type not in (None, "default", "llama3"):  # llama3 becomes the rope_freqs tensor instead
         raise UnsupportedFormatError(f"rope type {rope_type!r} is not supported for conversion to GGUF")
     if rope.get("rope_theta") is not None:

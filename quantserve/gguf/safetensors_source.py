@@ -42,6 +42,18 @@ class SafetensorsSource:
                 self.tensors[t.name] = SourceTensor(t.name, t.dtype, t.shape, path, off, t.n_bytes)
         self._maps: dict[Path, np.memmap] = {}
 
+    def raw(self, name: str) -> np.ndarray:
+        """A U8 tensor's bytes in its shape (MXFP4 blocks and scales), read from the map."""
+        t = self.tensors[name]
+        if t.dtype != "U8":
+            raise UnsupportedFormatError(
+                f"{t.path.name}: tensor '{name}' is {t.dtype}, not the U8 of MXFP4 data"
+            )
+        mm = self._maps.get(t.path)
+        if mm is None:
+            mm = self._maps[t.path] = np.memmap(t.path, dtype=np.uint8, mode="r")
+        return np.asarray(mm[t.offset : t.offset + t.n_bytes]).reshape(t.shape)
+
     def read(self, name: str) -> np.ndarray:
         """The tensor as a float32 array (a fresh copy; the file is not modified).
 

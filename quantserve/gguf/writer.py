@@ -29,6 +29,7 @@ from quantserve.gguf.tokenizer import GGUFVocab
 # HF buffers that are not weights (convert_hf_to_gguf.py skips the same suffixes)
 _IGNORED = (".attention.masked_bias", ".attention.bias", ".rotary_emb.inv_freq")
 _NUMPY_QUANTS = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}
+_FLOAT_FILES = (gguf.LlamaFileType.ALL_F32, gguf.LlamaFileType.MOSTLY_F16, gguf.LlamaFileType.MOSTLY_BF16)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,11 +84,17 @@ def plan_tensors(
         out.append(OutTensor(name, value.shape, T.F32, lambda value=value: value))
     experts = _Experts(spec, source, hp, target, tied)
     vocab_rows = spec.vocab_rows(source.directory) if spec.vocab_rows else None
+    packed = _mxfp4_experts(spec, source)
     for hf_name, t in source.tensors.items():
         if hf_name.endswith(_IGNORED) or hf_name not in text or text[hf_name] in spec.skip_tensors:
             continue
+        if hf_name.endswith(_MXFP4_PARTS):  # written first (_mxfp4_experts)
+            continue
         if (stacked := experts.add(text[hf_name], hf_name)) is not None:
             out += stacked
+            continue
+        if (parts := spec.stacked_parts(text[hf_name])) is not None:  # stacked by the checkpoint (gpt-oss)
+            out += _split_stacked(source, hf_name, parts, target, tied)
             continue
         name = spec.gguf_name(text[hf_name])
         if name is None:
@@ -108,7 +115,66 @@ def plan_tensors(
         load = _loader(source, hf_name, heads, shift, rows)
         out.append(OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), load))
     experts.check_complete()
+    return packed + out
+
+
+_MXFP4_PARTS = ("_blocks", "_scales")
+
+
+def _split_stacked(
+    source: SafetensorsSource, hf_name: str, parts: tuple[tuple[str, slice], ...], target: QuantTarget, tied
+) -> list[OutTensor]:
+    """The GGUF tensors of one tensor stacked over the experts: a float weight [E, in, out] turned into a linear's
+    [E, out, in], then each part's rows of `out`."""
+    shape = source.tensors[hf_name].shape
+    if len(shape) == 3:
+        shape = (shape[0], shape[2], shape[1])
+    found = []
+    for name, rows in parts:
+        n = len(range(shape[1])[rows])
+        ne = tuple(reversed((shape[0], n, *shape[2:])))
+
+        def load(rows: slice = rows) -> np.ndarray:
+            x = source.read(hf_name)
+            return (x.transpose(0, 2, 1) if x.ndim == 3 else x)[:, rows]
+
+        found.append(OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), load))
+    return found
+
+
+def _mxfp4_experts(spec: ArchSpec, source: SafetensorsSource) -> list[OutTensor]:
+    """The checkpoint's MXFP4 expert weights as ggml MXFP4 tensors, in the order llama.cpp's converter writes them
+    (each pair where its `_scales` comes in the file, before any other tensor)."""
+    out = []
+    for hf_name in source.tensors:
+        if (
+            not hf_name.endswith("_scales")
+            or (parts := spec.stacked_parts(hf_name.removesuffix("_scales"))) is None
+        ):
+            continue
+        blocks, scales = hf_name.removesuffix("_scales") + "_blocks", hf_name
+        if blocks not in source.tensors:
+            raise UnsupportedFormatError(
+                f"the checkpoint has '{scales}' but not '{blocks}'; it is incomplete"
+            )
+        e, n, k_blocks, _ = source.tensors[blocks].shape
+        for name, rows in parts:
+            ne = (k_blocks * 32, len(range(n)[rows]), e)
+
+            def load(rows: slice = rows, blocks: str = blocks, scales: str = scales) -> np.ndarray:
+                return mxfp4_to_ggml(source.raw(blocks)[:, rows], source.raw(scales)[:, rows])
+
+            out.append(OutTensor(name, ne, T.MXFP4, load))
     return out
+
+
+def mxfp4_to_ggml(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """HF's MXFP4 (blocks [..., K/32, 16]: byte j holds values 2j and 2j + 1 in its low and high nibbles; scales
+    [..., K/32]) as ggml's block_mxfp4 rows [..., K/32 * 17]: each block's scale byte, then 16 bytes whose byte j
+    holds values j and j + 16. The 4-bit codes and the e8m0 scale mean the same in both (kernels/mxfp4.py)."""
+    codes = np.stack((blocks & 0x0F, blocks >> 4), axis=-1).reshape(*blocks.shape[:-1], 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate((scales[..., None], qs), axis=-1).reshape(*blocks.shape[:-2], -1).astype(np.uint8)
 
 
 class _Experts:
@@ -169,6 +235,8 @@ class _Experts:
 
 
 def _encode(x: np.ndarray, qtype: T) -> np.ndarray:
+    if qtype == T.MXFP4:  # the checkpoint's own blocks, already in ggml's layout
+        return x
     if qtype in _NUMPY_QUANTS:
         return gguf.quants.quantize(x, qtype)  # bit-exact with ggml for these types (gguf-py's own tests)
     return ggml_quantize(x.reshape(-1, x.shape[-1]), qtype).reshape(*x.shape[:-1], -1)
@@ -214,7 +282,10 @@ def write_gguf(
     spec.first_keys(writer, hp)
     writer.add_type(gguf.GGUFType.MODEL)
     _metadata(writer, model_dir).set_gguf_meta_model(writer)
-    add_arch_params(writer, spec, hp, int(target.ftype))
+    ftype = target.ftype
+    if any(t.qtype == T.MXFP4 for t in tensors) and ftype in _FLOAT_FILES:  # as llama.cpp's converter says it
+        ftype = gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    add_arch_params(writer, spec, hp, int(ftype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     if not spec.llama_kv and not vocab.space_prefix_last:  # only LlamaModel reads tokenizer_config's own
         vocab = replace(vocab, add_space_prefix=None)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantserve.errors import UnsupportedFormatError
-from quantserve.formats.hf_config import GEMMA_DEFAULTS, WRAPPERS, layer_windows
+from quantserve.formats.hf_config import GEMMA_DEFAULTS, WRAPPERS, layer_windows, quant_method_of
 from quantserve.gguf.archs import torch_architectures
 
 
@@ -81,6 +81,10 @@ class ModelArgs:
         arch = next((known[n] for n in names if n in known), None)
         if arch in GEMMA_DEFAULTS:  # Gemma's configs leave out what their config class defaults
             cfg = {**GEMMA_DEFAULTS[arch], **cfg}
+        if arch == "gpt_oss" and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+            cfg = {**GPT_OSS_DEFAULTS, **cfg}
+        elif arch == "gpt_oss":
+            cfg = {**{k: v for k, v in GPT_OSS_DEFAULTS.items() if k != "rope_parameters"}, **cfg}
         if arch is None:
             raise UnsupportedFormatError(
                 f"architecture {names or cfg.get('model_type')!r} is not supported by the torch backend "
@@ -195,14 +199,22 @@ def _wrapped_text(cfg: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": [WRAPPERS[cfg["architectures"][0]]], "tie_word_embeddings": tied}
 
 
+# transformers' GptOssConfig defaults for the shared keys, which a trimmed config.json may leave out
+GPT_OSS_DEFAULTS = {
+    "head_dim": 64, "rms_norm_eps": 1e-5, "sliding_window": 128, "attention_bias": True, "rope_theta": 150000.0,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+}  # fmt: skip
+
+
 def _gpt_oss_args(cfg: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss's own fields (transformers' GptOssConfig names and defaults).
 
     Raises:
         UnsupportedFormatError: a quantization other than MXFP4 experts, or sizes MXFP4 blocks cannot tile.
     """
-    qc = cfg.get("quantization_config") or {}
-    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    qc = cfg.get("quantization_config")
+    method = quant_method_of(qc) if isinstance(qc, dict) else None
     if method not in (None, "mxfp4"):
         raise UnsupportedFormatError(
             f"a gpt-oss checkpoint quantized with {method!r}: the torch backend reads gpt-oss as released (MXFP4 "

@@ -15,11 +15,15 @@ up = clamp(h_odd, -limit, limit), (up + 1) * gate * sigmoid(alpha * gate), then 
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantserve.kernels import mxfp4
+
+_TRITON = importlib.util.find_spec("triton") is not None  # else the transient dequantize, on CUDA too
 
 
 def _bytes(*shape: int) -> nn.Parameter:
@@ -46,7 +50,7 @@ class OssExperts(nn.Module):
         if not self.packed:
             return torch.addmm(bias.to(x.dtype), x, getattr(self, which)[e])
         blocks, scales = getattr(self, f"{which}_blocks")[e], getattr(self, f"{which}_scales")[e]
-        if x.device.type == "cuda":
+        if x.device.type == "cuda" and _TRITON:
             return mxfp4.mxfp4_linear(x, blocks, scales, bias)
         return mxfp4.mxfp4_linear_ref(x, blocks, scales, bias)
 

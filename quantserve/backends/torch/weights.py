@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -146,6 +147,13 @@ def load_model(
     else:
         args = ModelArgs.from_hf_config(config)
         name = args.our_name
+    if args.swiglu and spec.scheme is not None:
+        raise UnsupportedFormatError(
+            f"{spec.path} is a {spec.scheme.label}-quantized gpt-oss; the torch backend reads gpt-oss as released "
+            "(MXFP4 experts) or in bf16/fp16/fp32"
+        )
+    if (spec.quant or {}).get("experts") == "mxfp4":  # wherever its quantization config was found
+        args = replace(args, packed_experts=True)
     shards = Shards(args, tp.rank, tp.world) if tp is not None else None
     if shards is not None:
         args = local_args(args, shards.world)

@@ -108,6 +108,10 @@ class ArchSpec:
         as a different model (before anything is written, and for `--backend auto`).
     vocab: (the model directory, the normalised config.json) -> this arch's own GGUFVocab (Gemma's from a
         SentencePiece tokenizer.model), or None for the one read from tokenizer.json.
+    stacked: tensors the checkpoint itself stacks over the experts (gpt-oss): the HF suffix inside a layer ->
+        the GGUF suffixes it becomes, each with the rows of its output dimension it takes, (first, step). A float
+        weight is [E, in, out] and is written [E, out, in]; a bias is [E, out]; an MXFP4 weight is its
+        `_blocks` [E, out, in / 32, 16] and `_scales` [E, out, in / 32], written as ggml's MXFP4 blocks.
     """
 
     gguf_arch: str
@@ -131,6 +135,7 @@ class ArchSpec:
     gguf_config: GGUFConfig | None = None
     check: Callable[[Mapping[str, Any]], None] | None = None
     vocab: Callable[[Path, Mapping[str, Any]], Any] | None = None
+    stacked: tuple[tuple[str, tuple[tuple[str, tuple[int, int]], ...]], ...] = ()
 
     @property
     def name(self) -> str:
@@ -153,6 +158,17 @@ class ArchSpec:
             back = {g: h for h, g in self.layer_tensors}.get(m.group(2))
             return f"model.layers.{m.group(1)}.{back}" if back else None
         return {g: h for h, g in GLOBAL_TENSORS}.get(gguf_name)
+
+    def stacked_parts(self, hf_name: str) -> tuple[tuple[str, slice], ...] | None:
+        """The GGUF tensors (full names) and their rows, of a tensor the checkpoint stacks over the experts (its
+        float name: an MXFP4 pair is looked up without `_blocks`); None for any other."""
+        m = _HF_LAYER.match(hf_name)
+        parts = dict(self.stacked).get(m.group(2)) if m else None
+        return (
+            tuple((f"blk.{m.group(1)}.{g}", slice(first, None, step)) for g, (first, step) in parts)
+            if m and parts
+            else None
+        )
 
     def expert_of(self, hf_name: str) -> tuple[int, int, str] | None:
         """(layer, expert, the stacked tensor's GGUF name) of one expert's HF tensor; None for any other."""
