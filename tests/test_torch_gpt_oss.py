@@ -240,7 +240,7 @@ def test_served_as_released_through_the_openai_client(checkpoints, tmp_path):
 def test_eager_attention_in_slices_of_queries_is_the_same(monkeypatch):
     """attend's fp32 path (sinks, soft caps) runs a slice of the queries at a time to bound its scores' memory
     whatever the context: the slices give the one-pass result, masks of every shape."""
-    from quantserve.backends.torch import model as m
+    from quantserve.backends.torch import attend as m
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (

@@ -110,10 +110,12 @@ def quantize_checkpoint(
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
-    if (spec.config or {}).get("model_type") == "gpt_oss":
+    if (kind := (spec.config or {}).get("model_type")) in ("gpt_oss", "qwen3_5_text"):
+        why = "its experts are not linears, and they ship as MXFP4 already" if kind == "gpt_oss" else (
+            "its calibration does not run DeltaNet layers yet")  # fmt: skip
         raise UnsupportedFormatError(
-            f"{src} is gpt-oss, which `convert --quant {method}` does not quantize yet (its experts are not linears, "
-            "and they ship as MXFP4 already); serve it as it is with --backend torch"
+            f"{src} is {'gpt-oss' if kind == 'gpt_oss' else 'Qwen3.5'}, which `convert --quant {method}` does not "
+            f"quantize yet ({why}); serve it as it is with --backend torch (or --quant int4 at load)"
         )
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs

@@ -54,9 +54,11 @@ def model_shape(spec: ModelSpec) -> Shape | None:
         config = config.get("text_config") or config
         n_head = config["num_attention_heads"]
         n_layer = config["num_hidden_layers"]
+        types = config.get("layer_types")  # Qwen3.5's linear-attention layers keep no KV
+        attn = sum(t != "linear_attention" for t in types) if isinstance(types, list) else n_layer
         return Shape(
             n_layer,
-            (config.get("num_key_value_heads") or n_head) * n_layer,
+            (config.get("num_key_value_heads") or n_head) * attn,
             config.get("head_dim") or config["hidden_size"] // n_head,
             config.get("max_position_embeddings"),
         )

@@ -42,6 +42,9 @@ class KVSpec:
     # slots: the model's windowed layers keep only each sequence's last `window` positions (llama.cpp's SWA cache
     # with swa_full off), so a cached prefix is reusable only where those survive; 0: every position is kept
     window: int = 0
+    # paged: a model with linear-attention layers (Qwen3.5's Gated DeltaNet) keeps a fixed-size state per running
+    # sequence in one of `state_slots` slots, which the ledger hands out with the blocks (0: no such layers)
+    state_slots: int = 0
 
     @property
     def num_blocks(self) -> int:

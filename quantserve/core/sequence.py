@@ -78,6 +78,9 @@ class Sequence:
     tokens: list[int] = field(init=False)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    # its recurrent-state slot while it runs, for a model with linear-attention layers (Qwen3.5), else -1; set by
+    # the KV ledger with the block table
+    state_slot: int = -1
     pending_tokens: list[int] = field(default_factory=list)  # sampled but not yet sent (text held back)
     guide: Guide | None = None  # the grammar its output must follow (params.grammar), if any
     stop_hit: str | None = None  # the stop string that ended it

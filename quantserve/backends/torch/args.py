@@ -55,6 +55,12 @@ class ModelArgs:
     attn_out_bias: bool = False
     swiglu: tuple[float, float] = ()
     packed_experts: bool = False
+    # Qwen3.5 (hybrid): each layer's kind, "linear_attention" (Gated DeltaNet, backends/torch/deltanet.py) or
+    # "full_attention"; the DeltaNet's (key heads, value heads, key dim, value dim, conv kernel); and the full
+    # attention layers' sigmoid output gate (q_proj gives each head's query and gate side by side)
+    layer_types: tuple[str, ...] = ()
+    deltanet: tuple[int, int, int, int, int] = ()
+    attn_output_gate: bool = False
     # how the checkpoint's names differ from this model's (Mixtral: `block_sparse_moe.experts.E.w1`), as
     # (theirs, ours) fragments
     checkpoint_names: tuple[tuple[str, str], ...] = ()
@@ -126,6 +132,7 @@ class ModelArgs:
         renormalize = True if arch in ("mixtral", "gpt_oss") else None  # gpt-oss: softmax over the top k
         moe = _moe_args(cfg, renormalize) if arch in MOE else {}
         oss = _gpt_oss_args(cfg) if arch == "gpt_oss" else {}
+        hybrid = _hybrid_args(cfg) if arch in HYBRID else {}
         try:  # Mistral, Mixtral and Phi-3 window every layer (when set); Gemma's layers each have their own
             windows = layer_windows(cfg)
         except ValueError as exc:
@@ -145,7 +152,7 @@ class ModelArgs:
             # Llama/Qwen2 default to untied; a missing lm_head is caught when loading weights.
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),  # Gemma ties by default
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", arch == "gpt_oss")),
-            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID),
             rope_scaling=scaling,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             **moe,
@@ -154,6 +161,7 @@ class ModelArgs:
             layer_windows=windows,
             **gemma,
             **oss,
+            **hybrid,
         )
 
 
@@ -231,6 +239,46 @@ def _gpt_oss_args(cfg: dict[str, Any]) -> dict[str, Any]:
         "attn_out_bias": bool(cfg.get("attention_bias", True)),
         "swiglu": (float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
         "packed_experts": method == "mxfp4",
+    }
+
+
+HYBRID = ("qwen3_5_text",)
+
+
+def _hybrid_args(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's own fields (transformers' Qwen3_5TextConfig names and defaults): its (1 + w) norms, the layer
+    kinds and the DeltaNet's sizes.
+
+    Raises:
+        UnsupportedFormatError: layer_types that do not name linear_attention or full_attention for each layer, or
+            value heads that are not a multiple of the key heads.
+    """
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedFormatError(
+            f"config.json's layer_types {types!r} does not name linear_attention or full_attention for each of its "
+            f"{n} layers; the config is damaged"
+        )
+    n_k, n_v = int(cfg.get("linear_num_key_heads", 16)), int(cfg.get("linear_num_value_heads", 32))
+    if n_v % n_k:
+        raise UnsupportedFormatError(
+            f"config.json's linear_num_value_heads {n_v} is not a multiple of linear_num_key_heads {n_k}"
+        )
+    return {
+        "norm_offset": 1.0,
+        "layer_types": tuple(types),
+        "deltanet": (
+            n_k,
+            n_v,
+            int(cfg.get("linear_key_head_dim", 128)),
+            int(cfg.get("linear_value_head_dim", 128)),
+            int(cfg.get("linear_conv_kernel_dim", 4)),
+        ),  # fmt: skip
+        "attn_output_gate": True,
     }
 
 

@@ -66,6 +66,8 @@ class TorchBackend:
             steps.append("load the CLIP vision tower and its projector")
         if windows := _window_step(spec):
             steps.append(windows)
+        if hybrid := _hybrid_step(spec, settings, dtype.itemsize):
+            steps.append(hybrid)
         if settings.torch.tensor_parallel_size > 1:
             steps.append(_split_step(spec, settings.torch.tensor_parallel_size, device.type, llava))
         shape = model_shape(spec)
@@ -210,6 +212,30 @@ def _llava_vision(config: dict) -> str:
         f"{v.get('image_size', '?')} px images in {v.get('patch_size', '?')} px patches, features of layer "
         f"{config.get('vision_feature_layer', -2)}), {config.get('projector_hidden_act', 'gelu')} MLP projector, "
         f"{text.get('model_type', 'llama')} language model"
+    )
+
+
+def _hybrid_step(spec: ModelSpec, settings: EngineSettings, elem_bytes: int) -> str | None:
+    """What the plan says of a model with linear-attention layers (Qwen3.5): which layers, and what state each
+    running sequence holds instead of their KV."""
+    from quantserve.backends.torch.args import ModelArgs
+    from quantserve.backends.torch.deltanet import state_bytes
+
+    try:
+        args = ModelArgs.from_hf_config(dict(spec.config or {}))
+    except (UnsupportedFormatError, KeyError, TypeError, ValueError):
+        return None
+    if not args.deltanet:
+        return None
+    n_k, n_v, d_k, d_v, kernel = args.deltanet
+    n_lin = args.layer_types.count("linear_attention")
+    per_seq = n_lin * state_bytes(2 * n_k * d_k + n_v * d_v, kernel, n_v, d_k, d_v, elem_bytes)
+    return (
+        f"{n_lin} of {len(args.layer_types)} layers are Gated DeltaNet (linear attention, no KV): each running "
+        f"sequence keeps a {per_seq / 2**20:.2f} MiB recurrent state (conv window and delta state) in one of "
+        f"{settings.max_num_seqs} slots, {settings.max_num_seqs * per_seq / 2**20:.1f} MiB in all; prefix caching "
+        "is off for this model (a state holds a whole prefix and is not kept per block), and a preempted sequence "
+        "recomputes its state"
     )
 
 

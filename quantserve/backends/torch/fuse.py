@@ -72,10 +72,11 @@ def fuse_projections(model: Transformer) -> int:
     (its kernel prepared what it needs). Returns how many groups were fused."""
     count = 0
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is not None:  # fused in the checkpoint (phi3): nothing to do
+        attn, mlp = getattr(layer, "self_attn", None), layer.mlp  # (a DeltaNet layer has no self_attn)
+        if attn is not None and attn.qkv_proj is not None:  # fused in the checkpoint (phi3): nothing to do
             continue
-        qkv = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj], f"model.layers.{i}.self_attn.qkv_proj")
+        qkv = None if attn is None else fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj],
+                                                      f"model.layers.{i}.self_attn.qkv_proj")  # fmt: skip
         if qkv is not None:
             attn.qkv_proj = qkv
             del attn.q_proj, attn.k_proj, attn.v_proj

@@ -1,6 +1,7 @@
 """A compact Llama-family transformer (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, gemma2, gemma3,
-gpt_oss) in plain PyTorch, in the spirit of gpt-fast. A qwen3_moe or mixtral layer's MLP is a mixture of experts
-(moe.py), a gpt_oss one its own (gpt_oss.py), and gpt-oss's attention has sinks.
+gpt_oss, qwen3_5) in plain PyTorch, in the spirit of gpt-fast. A qwen3_moe or mixtral layer's MLP is a mixture of
+experts (moe.py), a gpt_oss one its own (gpt_oss.py), and gpt-oss's attention has sinks. Qwen3.5's linear layers
+are Gated DeltaNets (deltanet.py), with a recurrent state per sequence instead of KV.
 Gemma's differences (ModelArgs says which apply): norms around attention and the MLP, GeGLU, a scaled embedding,
 query_pre_attn_scalar, tanh caps on the logits, windowed layers with their own rope base.
 
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantserve.backends.torch.args import ModelArgs
+from quantserve.backends.torch.attend import attend, window_mask
+from quantserve.backends.torch.deltanet import GatedDeltaNet
 from quantserve.backends.torch.gpt_oss import OssMoe
 from quantserve.backends.torch.moe import SparseMoe
 from quantserve.backends.torch.rope import Rope, RotaryEmbedding, apply_rope
@@ -57,74 +60,6 @@ class KVCache:
         self.v = torch.zeros(num_cells, n_kv, head_dim, dtype=dtype, device=device)
 
 
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None,
-    scale: float,
-    softcap: float = 0.0,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of q [B, H, Q, D] over k, v [B, KV, C, D]; `mask` bool, broadcastable to [B, H, Q, C] (True:
-    attend), None: causal. With `softcap`, the scores are capped by softcap * tanh(s / softcap) before the
-    softmax (Gemma 2); with `sinks` [H], each head's softmax has one more logit, attending to nothing (gpt-oss).
-    SDPA does neither: those are computed in fp32 as transformers' eager attention does, a slice of the queries
-    at a time, so that the scores stay within _EAGER_SCORES bytes whatever the context."""
-    if not softcap and sinks is None:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
-    b, h, nq, _ = q.shape
-    c = k.shape[2]
-    if mask is None:
-        mask = torch.ones(nq, c, dtype=torch.bool, device=q.device).tril(c - nq)
-    k, v = k.float(), v.float()
-    rows = max(1, _EAGER_SCORES // (b * h * c * 4))
-    outs = [
-        _eager(q[:, :, i : i + rows], k, v, mask if mask.shape[-2] == 1 else mask[..., i : i + rows, :],
-               scale, softcap, sinks)
-        for i in range(0, nq, rows)
-    ]  # fmt: skip
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-
-_EAGER_SCORES = 128 * 2**20  # bytes of fp32 scores per slice of queries in attend's eager path
-
-
-def _eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """attend() in fp32 for q [B, H, Q, D] over fp32 k, v [B, KV, C, D]: each KV head's G query heads in one
-    product against its keys (grouped-query attention without repeating K and V)."""
-    b, h, nq, d = q.shape
-    kv, c = k.shape[1], k.shape[2]
-    s = (q.float().reshape(b, kv, h // kv * nq, d) @ k.transpose(-1, -2)).view(b, h, nq, c) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        p = s.softmax(-1)
-    else:  # the sink's logit joins the max and the sum, and brings no value
-        sink = sinks.float()[None, :, None]
-        top = torch.maximum(s.amax(-1), sink)
-        p = (s - top[..., None]).exp_()
-        p = p / (p.sum(-1) + (sink - top).exp())[..., None]
-    return (p.view(b, kv, h // kv * nq, c) @ v).view(b, h, nq, d).to(q.dtype)
-
-
-def window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
-    """bool [T, T]: causal, within the last `window` positions (transformers' sliding-window mask)."""
-    i = torch.arange(t, device=device)
-    return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
@@ -134,7 +69,9 @@ class Attention(nn.Module):
             args.head_dim,
         )
         d, bias = args.hidden_size, args.attention_bias
-        sizes = (self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
+        self.gated = args.attn_output_gate  # Qwen3.5: q_proj gives each head's query, then its output gate
+        q_size = self.n_heads * self.head_dim * (2 if self.gated else 1)
+        sizes = (q_size, self.n_kv * self.head_dim, self.n_kv * self.head_dim)
         if not args.fused:
             self.q_proj = nn.Linear(d, sizes[0], bias=bias)
             self.k_proj = nn.Linear(d, sizes[1], bias=bias)
@@ -164,6 +101,10 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = q.view(*lead, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.contiguous(), gate.reshape(*lead, self.n_heads * self.head_dim)
         q = q.view(*lead, self.n_heads, self.head_dim)
         k = k.view(*lead, self.n_kv, self.head_dim)
         v = v.view(*lead, self.n_kv, self.head_dim)
@@ -190,7 +131,8 @@ class Attention(nn.Module):
             else:
                 q = fused.rope_and_cache_ref(q, k, v, cos, sin, step.cell_index, cache.k, cache.v)
             out = self._paged(q, step)
-        return self.o_proj(out.reshape(*lead, self.n_heads * self.head_dim))
+        out = out.reshape(*lead, self.n_heads * self.head_dim)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _decode_kernel(self, q: torch.Tensor, d: DecodeBatch) -> torch.Tensor:
         """The paged Triton kernel over the decoding sequences' block tables (this layer's window and cap)."""
@@ -260,7 +202,11 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(args, layer_idx)
+        self.linear = bool(args.layer_types) and args.layer_types[layer_idx] == "linear_attention"
+        if self.linear:  # Qwen3.5's Gated DeltaNet in place of attention
+            self.linear_attn = GatedDeltaNet(args.hidden_size, *args.deltanet, eps=args.rms_norm_eps)
+        else:
+            self.self_attn = Attention(args, layer_idx)
         self.mlp: nn.Module = MLP(args)
         if args.swiglu:  # gpt-oss
             self.mlp = OssMoe(args.num_experts, args.num_experts_per_tok, args.hidden_size,
@@ -292,19 +238,25 @@ class TransformerBlock(nn.Module):
         previous layer's split MLP output, not yet added to it."""
         if self.sandwich:  # each norm's output is added to the stream, not the stream normalised in place
             x = x if residual is None else x + residual
-            x = x + self.post_attention_layernorm(
-                self._sum(self.self_attn(self.input_layernorm(x), rope, step))
-            )
+            x = x + self.post_attention_layernorm(self._sum(self.mix(self.input_layernorm(x), rope, step)))
             h = self.post_feedforward_layernorm(self._sum(self.mlp(self.pre_feedforward_layernorm(x))))
             return (h, x) if split else h + x
         if residual is None:
             h, res = self.input_layernorm(x), x
         else:
             h, res = self.input_layernorm(x, residual)
-        h = self._sum(self.self_attn(h, rope, step))
+        h = self._sum(self.mix(h, rope, step))
         h, res = self.post_attention_layernorm(h, res)
         h = self._sum(self.mlp(h))
         return (h, res) if split else h + res
+
+    def mix(self, h: torch.Tensor, rope: Rope, step: StepBatch | None) -> torch.Tensor:
+        """The token mixer: attention, or a DeltaNet (which has no positions: it carries its state instead)."""
+        return self.linear_attn(h, step) if self.linear else self.self_attn(h, rope, step)
+
+    @property
+    def window(self) -> int:
+        return 0 if self.linear else self.self_attn.window
 
     def _sum(self, h: torch.Tensor) -> torch.Tensor:
         """Under tensor parallel each rank's row-parallel o_proj / down_proj gives a partial sum: add them up."""
@@ -363,7 +315,7 @@ class Transformer(nn.Module):
             x[step.image_rows] = step.image_embeds.to(x.dtype)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, local if layer.self_attn.window else rope, step, residual, split=True)
+            x, residual = layer(x, local if layer.window else rope, step, residual, split=True)
         return self.model.norm(x, residual)[0]
 
     def use_fused_kernels(self, on: bool) -> None:

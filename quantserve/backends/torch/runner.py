@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from quantserve.backends.torch.deltanet import RecurrentState
 from quantserve.backends.torch.gpt_oss import OssMoe
 from quantserve.backends.torch.graphs import DecodeGraphs
 from quantserve.backends.torch.model import KVCache, Transformer
@@ -95,7 +96,8 @@ class TorchRunner:
         dtype = model.model.embed_tokens.weight.dtype
         if kv is None:
             a = model.args
-            shape = Shape(a.num_hidden_layers, a.num_key_value_heads * a.num_hidden_layers, a.head_dim,
+            n_attn = sum(not x.linear for x in model.model.layers)  # DeltaNet layers keep no KV
+            shape = Shape(a.num_hidden_layers, a.num_key_value_heads * n_attn, a.head_dim,
                           a.max_position_embeddings)  # fmt: skip
             fill = device.type == "cuda" and settings.torch.kv_fill_gpu
             kv = torch_kv(shape, settings, elem_bytes=dtype.itemsize, fill_gpu=fill)
@@ -108,7 +110,11 @@ class TorchRunner:
         if model.tp is not None:  # every rank's cache must hold the blocks rank 0's ledger hands out
             num_blocks = model.tp.agree_min(num_blocks)
         self.n_kv_cells = num_blocks * self.block_size
-        self.kv_spec = KVSpec("paged", cells=self.n_kv_cells, block_size=self.block_size)
+        # Qwen3.5: a recurrent state per running sequence in each DeltaNet layer, one slot per sequence the engine
+        # runs at once; such a state cannot be cut at a block, so prefix caching is off (engine/kv/paged.py)
+        self.state_slots = settings.max_num_seqs if any(x.linear for x in model.model.layers) else 0
+        self.kv_spec = KVSpec("paged", cells=self.n_kv_cells, block_size=self.block_size,
+                              prefix_cache=not self.state_slots, state_slots=self.state_slots)  # fmt: skip
         if self.n_kv_cells < self.n_ctx:
             raise ConfigError(
                 f"the KV cache holds {self.n_kv_cells} tokens, fewer than one {self.n_ctx}-token sequence "
@@ -125,9 +131,21 @@ class TorchRunner:
         a = model.args
         # One block more than the ledger hands out: the scratch block that unused CUDA-graph rows write to.
         for layer in model.model.layers:
-            layer.self_attn.cache = KVCache(
-                (num_blocks + 1) * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
-            )
+            if layer.linear:
+                layer.linear_attn.state = RecurrentState.empty(
+                    self.state_slots, layer.linear_attn, dtype, device
+                )
+            else:
+                layer.self_attn.cache = KVCache(
+                    (num_blocks + 1) * self.block_size, a.num_key_value_heads, a.head_dim, dtype, device
+                )
+        if self.state_slots:
+            per_seq = sum(x.linear_attn.state.bytes_per_slot for x in model.model.layers if x.linear)
+            log.info(
+                "recurrent state: %d slots of %.2f MiB (%d DeltaNet layers); prefix caching is off for this model "
+                "(a recurrent state holds a whole prefix and is not kept per block)",
+                self.state_slots, per_seq / 2**20, sum(x.linear for x in model.model.layers),
+            )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         # a tensor-parallel rank other than 0 computes its share of the logits (for the gather) and samples nothing
         self.samples = model.tp is None or model.tp.rank == 0
@@ -136,9 +154,11 @@ class TorchRunner:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs around the all-reduces yet)")
         elif device.type == "cuda" and self.paged_kernel and settings.torch.cuda_graphs:
             looped = any(
-                isinstance(x.mlp, OssMoe) or (isinstance(x.mlp, SparseMoe) and x.mlp.grouped is None)
+                isinstance(x.mlp, OssMoe)
+                or (isinstance(x.mlp, SparseMoe) and x.mlp.grouped is None)
+                or x.linear
                 for x in model.model.layers
-            )
+            )  # (DeltaNet layers run each sequence's state on its own)
             if looped or dict(a.rope_scaling).get("rope_type") == "longrope":
                 # experts looped over route on the host; LongRoPE picks its table by the step's longest position
                 log.info(
@@ -296,5 +316,8 @@ class TorchRunner:
         self._image_features.clear()
         self.vision_model = None
         for layer in self.model.model.layers:
-            layer.self_attn.cache = None
+            if layer.linear:
+                layer.linear_attn.state = None
+            else:
+                layer.self_attn.cache = None
         self.model = None

@@ -87,6 +87,9 @@ class StepBatch:
     image_rows: torch.Tensor | None = None  # int64 [R]
     image_pieces: tuple[tuple[int, int, int, int], ...] = ()
     image_embeds: torch.Tensor | None = None  # [R, D]
+    # linear-attention layers (Qwen3.5): each sequence's run of new tokens (first index, count, its state slot,
+    # whether it starts from position 0, so from a zero state)
+    recurrent: tuple[tuple[int, int, int, bool], ...] = ()
 
 
 def _cells(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -108,9 +111,12 @@ def prepare_step(
     sampled: list[int] = []
     image_rows: list[int] = []
     image_pieces: list[tuple[int, int, int, int]] = []
+    recurrent: list[tuple[int, int, int, bool]] = []
     for k, (seq, n) in enumerate(plan):
         start, ctx = seq.num_computed, seq.num_computed + n
         first = len(ids)
+        if seq.state_slot >= 0:
+            recurrent.append((first, n, seq.state_slot, start == 0))
         ids.extend(seq.tokens[start:ctx])
         positions.extend(range(start, ctx))
         cell_index.extend(_cells(seq.block_table, start, ctx, block_size))
@@ -173,4 +179,5 @@ def prepare_step(
         sampled=sampled,
         image_rows=tensor(image_rows) if image_rows else None,
         image_pieces=tuple(image_pieces),
+        recurrent=tuple(recurrent),
     )

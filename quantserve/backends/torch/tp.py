@@ -61,6 +61,7 @@ class _Seq:
     num_computed: int
     block_table: list[int]
     images: tuple = ()
+    state_slot: int = -1  # (models with recurrent state do not run split)
 
 
 def encode_plan(plan: list[tuple[Any, int]], block_size: int) -> torch.Tensor:

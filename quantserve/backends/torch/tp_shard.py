@@ -78,10 +78,11 @@ def local_args(args, world: int):
     Raises:
         ConfigError: a dimension that does not split evenly over `world` ranks, named.
     """
-    if args.attn_sinks or args.swiglu:
+    if args.attn_sinks or args.swiglu or args.deltanet:
+        family = "gpt-oss" if args.swiglu else "Qwen3.5"
         raise ConfigError(
-            f"--tensor-parallel-size {world}: gpt-oss does not run split yet (its attention sinks and biased experts "
-            "are not sharded); serve it on one GPU with --tensor-parallel-size 1",
+            f"--tensor-parallel-size {world}: {family} does not run split yet (its attention sinks and biased "
+            "experts, or its DeltaNet layers, are not sharded); serve it on one GPU with --tensor-parallel-size 1",
             param="tensor_parallel_size",
         )
     checks = {

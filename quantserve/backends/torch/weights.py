@@ -89,7 +89,9 @@ def _fill_dense(
     offset = model.args.norm_offset  # Gemma's norms scale by (1 + w): stored as 1 + w, the sum in fp32
     for n, p in wanted.items():
         value = read(n)
-        _copy(p, value.float() + offset if offset and n.endswith("norm.weight") else value, n)
+        # (a DeltaNet's gated norm scales by w itself)
+        shifted = offset and n.endswith("norm.weight") and not n.endswith("linear_attn.norm.weight")
+        _copy(p, value.float() + offset if shifted else value, n)
 
 
 class _SafetensorsFiles:
@@ -121,6 +123,8 @@ def decoder_linears(model: Transformer) -> list[str]:
         if isinstance(m, nn.Linear)
         and n.startswith("model.layers.")
         and not n.endswith((".mlp.gate", ".mlp.router"))
+        and ".linear_attn."
+        not in n  # Qwen3.5's DeltaNets stay in the model's dtype, as the published recipes
     ]
 
 
@@ -183,6 +187,12 @@ def load_model(
                 raise UnsupportedFormatError(
                     f"{spec.path} quantizes linears outside the language model ({outside[0]}, …), which the torch "
                     "backend runs in full precision only; quantize the language model alone"
+                )
+            if deltanet := [p for p in prefixes if ".linear_attn." in p]:
+                raise UnsupportedFormatError(
+                    f"{spec.path} quantizes the Gated DeltaNet projections ({deltanet[0]}, …), which the torch backend "
+                    "runs in full precision only (as the published Qwen3.5 recipes keep them); quantize the attention "
+                    "and MLP linears alone"
                 )
             if vision := [p for p in prefixes if llava.is_vision(p)]:
                 raise UnsupportedFormatError(

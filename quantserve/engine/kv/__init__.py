@@ -54,7 +54,7 @@ def make_kv(spec: KVSpec, *, prefix_caching: bool) -> KVManager:
     """The ledger for a runner's cache; `prefix_caching` only where the runner allows it."""
     caching = prefix_caching and spec.prefix_cache
     if spec.layout == "paged":
-        return PagedKV(spec.num_blocks, spec.block_size, prefix_caching=caching)
+        return PagedKV(spec.num_blocks, spec.block_size, prefix_caching=caching, state_slots=spec.state_slots)
     return SlotKV(
         spec.num_slots, spec.cells, shared=spec.shared, prefix_caching=caching, pack=spec.pack_slots,
         window=spec.window,

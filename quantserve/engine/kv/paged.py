@@ -11,6 +11,12 @@ use; a block no sequence uses goes to the free list and keeps its hash, so a lat
 the room is needed: blocks are taken from the free list least recently freed first, and a sequence's later blocks
 are freed before its earlier ones (the earlier a block, the more prompts share it). Only blocks before a prompt's
 last token are ever reused (its logits are needed), and shared blocks are only read.
+
+A model with linear-attention layers (Qwen3.5) also keeps a fixed-size recurrent state per running sequence: the
+ledger hands each admitted sequence one of `state_slots` slots with its blocks (`seq.state_slot`) and takes it
+back with them, so admission waits for a slot as for blocks, and preemption and cancellation free both. Such a
+state holds a whole prefix and cannot be cut at a block, so prefix caching is off for these models (the runner
+says so in its KVSpec).
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from quantserve.core.sequence import Sequence
 class PagedKV:
     """The ledger of a paged cache. Not thread-safe (the engine thread is its only user)."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, *, prefix_caching: bool = True, state_slots: int = 0
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need at least one block of at least one token; got {num_blocks} x {block_size}"
@@ -38,6 +46,8 @@ class PagedKV:
         self._by_hash: dict[int, int] = {}
         self._registered: dict[int, tuple[int, int | None]] = {}  # seq_id -> (blocks registered, last hash)
         self.hits = 0  # tokens taken from the cache by allocations, in all (for tests and logs)
+        self.state_slots = state_slots
+        self.free_states = list(range(state_slots))[::-1]  # recurrent-state slots; pop() takes the lowest
 
     # ---- counts ------------------------------------------------------------------------------------
 
@@ -78,6 +88,8 @@ class PagedKV:
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._hits(seq)
         need = self._blocks(len(seq.tokens)) - len(hits)
+        if self.state_slots and not self.free_states:
+            return False
         return need <= len(self.free) - sum(1 for b in hits if self.ref[b] == 0)
 
     def allocate(self, seq: Sequence) -> None:
@@ -90,6 +102,8 @@ class PagedKV:
         seq.num_computed = len(hits) * self.block_size
         self.hits += seq.num_computed
         self._registered[seq.seq_id] = (len(hits), self._hash[hits[-1]] if hits else None)
+        if self.state_slots:
+            seq.state_slot = self.free_states.pop()
 
     def can_append(self, seq: Sequence) -> bool:
         return self._blocks(len(seq.tokens)) - len(seq.block_table) <= len(self.free)
@@ -109,6 +123,9 @@ class PagedKV:
                     self.free.move_to_end(b, last=False)
         seq.block_table = []
         self._registered.pop(seq.seq_id, None)
+        if seq.state_slot >= 0:
+            self.free_states.append(seq.state_slot)
+            seq.state_slot = -1
 
     # ---- internals ----------------------------------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""Qwen3.5 (dense) on the torch backend, against transformers on the same tiny random weights: three Gated DeltaNet
+layers and one gated full-attention layer (partial rotary, q/k norms, (1 + w) norms), with SmolLM2's tokenizer.
+The engine gives each running sequence a recurrent-state slot beside its KV blocks; the checks are transformers'
+logits, its greedy tokens for sequences batched, chunked and preempted, and a ledger that gets every slot back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from quantserve.backends.torch.args import ModelArgs
+from quantserve.backends.torch.deltanet import delta_rule_chunked, delta_rule_recurrent
+from quantserve.backends.torch.tokenizer import HFTokenizer
+from quantserve.backends.torch.weights import load_model
+from quantserve.core.detokenizer import IncrementalDetokenizer
+from quantserve.core.sampling_params import SamplingParams
+from quantserve.core.sequence import Sequence
+from quantserve.errors import ModelFileError, UnsupportedFormatError
+from quantserve.formats import detect, read_gguf_info
+from tests.test_torch_engine import make_engine
+from tests.test_torch_moe import LONG, PROMPTS, _together
+
+CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+              linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)  # fmt: skip
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
+    from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.5, 1.5)  # scales by w
+            elif name.endswith("norm.weight"):
+                p.uniform_(-0.3, 0.3)  # scales by 1 + w
+            elif name.endswith("A_log"):
+                p.uniform_(-1, 1)
+            elif name.endswith("dt_bias"):
+                p.uniform_(0, 1)
+            else:
+                p.normal_(0, 0.1)
+    d = tmp_path_factory.mktemp("qwen35")
+    model.save_pretrained(d)
+    tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
+    return d
+
+
+def _reference(src: Path) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+
+def test_the_chunked_delta_rule_equals_the_recurrent_one_and_transformers():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, dk, dv = 2, 150, 3, 16, 8  # three chunks of 64, the last one short
+    q, k = torch.randn(b, t, h, dk, generator=gen), torch.randn(b, t, h, dk, generator=gen)
+    v = torch.randn(b, t, h, dv, generator=gen)
+    g, beta = -2 * torch.rand(b, t, h, generator=gen), torch.rand(b, t, h, generator=gen)
+    s0 = 0.1 * torch.randn(b, h, dk, dv, generator=gen)
+    qn = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
+    kn = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    o1, s1 = delta_rule_recurrent(qn, kn, v, g, beta, s0)
+    o2, s2 = delta_rule_chunked(qn, kn, v, g, beta, s0)
+    o3, s3 = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)  # fmt: skip
+    for o, s in ((o2, s2), (o3, s3)):
+        assert (o - o1).abs().max() < 1e-4 * o1.abs().max() and (s - s1).abs().max() < 1e-4 * s1.abs().max()
+
+
+def test_prompt_logits_equal_transformers(checkpoint):
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
+    ref = _reference(checkpoint)
+    ids = torch.tensor([LONG, list(range(400, 441))])  # and whole chunks: 150 tokens below
+    long = torch.tensor([[1, *range(500, 649)]])
+    with torch.no_grad():
+        for x in (ids, long):
+            want = ref(x).logits
+            assert (model.compute_logits(model(x)) - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_batched_chunked_greedy_equals_transformers_alone(checkpoint):
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
+    ref = _reference(checkpoint)
+    want = []
+    for p in PROMPTS:
+        out = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    tok = HFTokenizer.from_dir(checkpoint)
+    engine, runner = make_engine((model, tok), max_num_seqs=4, kv_tokens=1024, n_batch=8, caching=True)
+    assert (
+        runner.kv_spec.state_slots == 4 and not runner.kv_spec.prefix_cache
+    )  # caching asked for, and refused
+    assert _together(engine, PROMPTS, 10) == want  # chunks of 8 tokens mix prefill with decode
+    assert _together(engine, [LONG], 10) == [want[1]] and engine.kv.hits == 0
+    assert engine.kv.num_used == 0 and sorted(engine.kv.free_states) == [0, 1, 2, 3]
+    alone, _ = make_engine((model, tok), max_num_seqs=1, kv_tokens=1024, n_batch=14)
+    assert _together(alone, [LONG], 10) == [want[1]]  # 41 tokens in 3 chunks: 14, 14, 13, the state carried
+
+
+def test_preemption_recomputes_the_state_exactly(checkpoint):
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
+    tok = HFTokenizer.from_dir(checkpoint)
+    engine, _ = make_engine(
+        (model, tok), max_num_seqs=4, kv_tokens=64
+    )  # 4 blocks of 16: someone is preempted
+    preempted = []
+    orig = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))[1]
+    got = _together(engine, PROMPTS[:3], 24)
+    assert preempted
+    alone, _ = make_engine((model, tok), max_num_seqs=1, kv_tokens=512)
+    assert got == [_together(alone, [p], 24)[0] for p in PROMPTS[:3]]
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks and len(engine.kv.free_states) == 4
+
+
+def test_two_hundred_cancelled_requests_leave_the_ledger_as_it_was(checkpoint):
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
+    engine, _ = make_engine(
+        (model, HFTokenizer.from_dir(checkpoint)), max_num_seqs=4, kv_tokens=1024, n_batch=16
+    )
+    before = (engine.kv.num_free_blocks, sorted(engine.kv.free_states))
+    for i in range(200):
+        sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        engine.add(Sequence(f"c{i}", PROMPTS[i % 4], sp, IncrementalDetokenizer(), max_total_tokens=512))
+        if i % 7 == 0:
+            engine.step()  # some are admitted and running (some mid-prefill) when they are cancelled
+        if i % 3 == 0:
+            engine.abort(f"c{i}")
+    for i in range(200):
+        engine.abort(f"c{i}")
+    assert not engine.has_work()
+    assert (engine.kv.num_free_blocks, sorted(engine.kv.free_states)) == before
+    assert _together(engine, [PROMPTS[0]], 4)  # and it still serves
+
+
+def test_int4_at_load_keeps_the_deltanets_dense(checkpoint):
+    from torch import nn
+
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU, quant="int4")
+    layer0, layer3 = model.model.layers[0], model.model.layers[3]
+    assert (
+        type(layer0.linear_attn.in_proj_qkv) is nn.Linear and type(layer3.self_attn.q_proj) is not nn.Linear
+    )
+    assert type(layer0.mlp.gate_proj) is not nn.Linear
+    with torch.no_grad():
+        assert model.compute_logits(model(torch.tensor([LONG]))).isfinite().all()
+
+
+def test_bad_input_is_named_and_nothing_half_loads(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    with pytest.raises(UnsupportedFormatError, match="layer_types"):
+        ModelArgs.from_hf_config({**config, "layer_types": ["linear_attention", "sliding_attention"] * 2})
+    src = Path(
+        shutil.copytree(checkpoint, tmp_path / "m")
+    )  # layer 0 said full: its attention tensors are absent
+    types = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+    (src / "config.json").write_text(json.dumps({**config, "layer_types": types}))
+    with pytest.raises(ModelFileError, match=r"lacks \d+ tensors .*model\.layers\.0\.self_attn"):
+        load_model(detect(src), dtype=torch.float32, device=CPU)
+    from quantserve.backends.torch.tp_shard import local_args
+    from quantserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="Qwen3.5 does not run split"):
+        local_args(ModelArgs.from_hf_config(config), 2)
+
+
+def test_served_through_the_openai_client(checkpoint, tmp_path):
+    """`quantserve run` on the checkpoint picks the torch backend (llama.cpp cannot be given it by quantserve yet),
+    and the plan says what each sequence's state costs."""
+    from tests.conftest import ask_openai, start_server
+
+    srv = start_server(tmp_path, str(checkpoint))
+    ask_openai(srv)
+    log = srv.log()
+    assert "the torch backend runs it" in log and "recurrent state: 4 slots" in log
