@@ -30,12 +30,28 @@ CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidde
 CPU = torch.device("cpu")
 
 
+MOE = dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
+
+
 @pytest.fixture(scope="module")
-def checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
+def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
+    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints) -> Path:
+    return checkpoints["dense"]
+
+
+def _build(kind: str, smollm2_gguf: Path, tmp_path_factory) -> Path:
     from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
 
     torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG))
+    if kind == "moe":
+        config = {k: v for k, v in CONFIG.items() if k != "intermediate_size"} | MOE
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**config))
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
@@ -46,9 +62,11 @@ def checkpoint(smollm2_gguf, tmp_path_factory) -> Path:
                 p.uniform_(-1, 1)
             elif name.endswith("dt_bias"):
                 p.uniform_(0, 1)
+            elif name.endswith(".mlp.gate.weight"):
+                p.normal_(0, 1.0)  # a router that prefers some experts
             else:
                 p.normal_(0, 0.1)
-    d = tmp_path_factory.mktemp("qwen35")
+    d = tmp_path_factory.mktemp(f"qwen35-{kind}")
     model.save_pretrained(d)
     tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
     return d
@@ -77,7 +95,9 @@ def test_the_chunked_delta_rule_equals_the_recurrent_one_and_transformers():
         assert (o - o1).abs().max() < 1e-4 * o1.abs().max() and (s - s1).abs().max() < 1e-4 * s1.abs().max()
 
 
-def test_prompt_logits_equal_transformers(checkpoint):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_prompt_logits_equal_transformers(kind, checkpoints):
+    checkpoint = checkpoints[kind]
     model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
     ref = _reference(checkpoint)
     ids = torch.tensor([LONG, list(range(400, 441))])  # and whole chunks: 150 tokens below
@@ -88,7 +108,9 @@ def test_prompt_logits_equal_transformers(checkpoint):
             assert (model.compute_logits(model(x)) - want).abs().max() < 1e-3 * want.abs().max()
 
 
-def test_batched_chunked_greedy_equals_transformers_alone(checkpoint):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_batched_chunked_greedy_equals_transformers_alone(kind, checkpoints):
+    checkpoint = checkpoints[kind]
     model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
     ref = _reference(checkpoint)
     want = []
@@ -107,7 +129,9 @@ def test_batched_chunked_greedy_equals_transformers_alone(checkpoint):
     assert _together(alone, [LONG], 10) == [want[1]]  # 41 tokens in 3 chunks: 14, 14, 13, the state carried
 
 
-def test_preemption_recomputes_the_state_exactly(checkpoint):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_preemption_recomputes_the_state_exactly(kind, checkpoints):
+    checkpoint = checkpoints[kind]
     model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
     tok = HFTokenizer.from_dir(checkpoint)
     engine, _ = make_engine(
@@ -143,15 +167,19 @@ def test_two_hundred_cancelled_requests_leave_the_ledger_as_it_was(checkpoint):
     assert _together(engine, [PROMPTS[0]], 4)  # and it still serves
 
 
-def test_int4_at_load_keeps_the_deltanets_dense(checkpoint):
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_int4_at_load_keeps_the_deltanets_dense(kind, checkpoints):
     from torch import nn
 
-    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU, quant="int4")
+    model = load_model(detect(checkpoints[kind]), dtype=torch.float32, device=CPU, quant="int4")
     layer0, layer3 = model.model.layers[0], model.model.layers[3]
     assert (
         type(layer0.linear_attn.in_proj_qkv) is nn.Linear and type(layer3.self_attn.q_proj) is not nn.Linear
     )
-    assert type(layer0.mlp.gate_proj) is not nn.Linear
+    mlp = layer0.mlp.shared_expert if kind == "moe" else layer0.mlp
+    assert type(mlp.gate_proj) is not nn.Linear
+    if kind == "moe":  # the router and the shared expert's gate stay dense
+        assert type(layer0.mlp.gate) is nn.Linear and type(layer0.mlp.shared_expert_gate) is nn.Linear
     with torch.no_grad():
         assert model.compute_logits(model(torch.tensor([LONG]))).isfinite().all()
 

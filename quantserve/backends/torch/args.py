@@ -34,6 +34,9 @@ class ModelArgs:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    shared_expert_size: int = (
+        0  # Qwen3.5-MoE: a shared expert's width (its output gated by shared_expert_gate)
+    )
     fused: bool = (
         False  # phi3: the checkpoint's q|k|v and gate|up are one linear each (qkv_proj, gate_up_proj)
     )
@@ -129,7 +132,8 @@ class ModelArgs:
             rope["original_max_position_embeddings"] = orig
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()}
         scaling = () if rope_type == "default" else tuple(sorted({**rope, "rope_type": rope_type}.items()))
-        renormalize = True if arch in ("mixtral", "gpt_oss") else None  # gpt-oss: softmax over the top k
+        # gpt-oss: softmax over the top k; Qwen3.5-MoE always renormalises
+        renormalize = True if arch in ("mixtral", "gpt_oss", "qwen3_5_moe_text") else None
         moe = _moe_args(cfg, renormalize) if arch in MOE else {}
         oss = _gpt_oss_args(cfg) if arch == "gpt_oss" else {}
         hybrid = _hybrid_args(cfg) if arch in HYBRID else {}
@@ -141,7 +145,7 @@ class ModelArgs:
             arch=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 0,
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
@@ -242,7 +246,7 @@ def _gpt_oss_args(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-HYBRID = ("qwen3_5_text",)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def _hybrid_args(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -282,7 +286,7 @@ def _hybrid_args(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-MOE = ("qwen3_moe", "mixtral", "gpt_oss")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")
 # Mixtral's expert MLPs are w1 (gate), w2 (down) and w3 (up) under `block_sparse_moe`
 MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w2.", ".down_proj."),
                  (".w3.", ".up_proj."))  # fmt: skip
@@ -312,4 +316,5 @@ def _moe_args(cfg: dict[str, Any], renormalize: bool | None) -> dict[str, Any]:
         "num_experts_per_tok": k,
         "moe_intermediate_size": cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
         "norm_topk_prob": renormalize if renormalize is not None else bool(cfg.get("norm_topk_prob", False)),
+        "shared_expert_size": int(cfg.get("shared_expert_intermediate_size") or 0),
     }

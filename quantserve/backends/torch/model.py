@@ -213,7 +213,7 @@ class TransformerBlock(nn.Module):
                               args.moe_intermediate_size, *args.swiglu, packed=args.packed_experts)  # fmt: skip
         elif args.num_experts:
             self.mlp = SparseMoe(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                 args.num_experts_per_tok, args.norm_topk_prob)  # fmt: skip
+                                 args.num_experts_per_tok, args.norm_topk_prob, args.shared_expert_size)  # fmt: skip
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.sandwich = args.sandwich_norms  # Gemma: a norm after attention, and before and after the MLP

@@ -1,4 +1,5 @@
-"""A mixture-of-experts MLP (Qwen3-MoE's sparse block) for the torch backend.
+"""A mixture-of-experts MLP (Qwen3-MoE's sparse block, and Qwen3.5-MoE's with its shared expert) for the torch
+backend.
 
 A router (`gate`, a dense linear that is never quantized) scores every expert for each token; the softmax's top-k
 experts run, and their outputs are summed with those weights (renormalised to sum to 1 where the model says so,
@@ -35,9 +36,15 @@ class Expert(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, n_experts: int, top_k: int, renormalize: bool):
+    def __init__(
+        self, hidden: int, intermediate: int, n_experts: int, top_k: int, renormalize: bool, shared: int = 0
+    ):
         super().__init__()
         self.gate = nn.Linear(hidden, n_experts, bias=False)
+        if shared:  # Qwen3.5-MoE: one more expert for every token, weighted by sigmoid(shared_expert_gate(x))
+            self.shared_expert = Expert(hidden, shared)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.shared = bool(shared)
         self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(n_experts))
         self.top_k = top_k
         self.renormalize = renormalize
@@ -60,6 +67,12 @@ class SparseMoe(nn.Module):
         return chosen, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         chosen, weights = self.route(flat)
         if self.grouped is not None and not self.calibrate_all:  # (calibration runs dense experts)

@@ -122,7 +122,7 @@ def decoder_linears(model: Transformer) -> list[str]:
         for n, m in model.named_modules()
         if isinstance(m, nn.Linear)
         and n.startswith("model.layers.")
-        and not n.endswith((".mlp.gate", ".mlp.router"))
+        and not n.endswith((".mlp.gate", ".mlp.router", ".mlp.shared_expert_gate"))
         and ".linear_attn."
         not in n  # Qwen3.5's DeltaNets stay in the model's dtype, as the published recipes
     ]

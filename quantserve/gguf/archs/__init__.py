@@ -202,9 +202,9 @@ def archs() -> dict[str, ArchSpec]:
     from quantserve.gguf.archs.gpt_oss import GPT_OSS
     from quantserve.gguf.archs.llama import LLAMA, MIXTRAL
     from quantserve.gguf.archs.phi import PHI3
-    from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_5, QWEN3_MOE
+    from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
 
-    specs = (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, GPT_OSS, QWEN3_5)
+    specs = (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, GPT_OSS, QWEN3_5, QWEN3_5_MOE)
     return {spec.name: spec for spec in specs}
 
 

@@ -114,3 +114,12 @@ QWEN3_5 = ArchSpec(
     check=_not_yet,
     torch=True,
 )
+QWEN3_5_MOE = ArchSpec(
+    gguf_arch="qwen35moe",
+    hf_model_types=("qwen3_5_moe_text",),
+    hf_architectures=("Qwen3_5MoeForCausalLM",),
+    permute_qk=False,
+    layer_tensors=(),
+    check=_not_yet,
+    torch=True,
+)
