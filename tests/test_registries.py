@@ -76,7 +76,8 @@ def test_every_tensor_name_table_agrees_with_gguf_pys_own_map():
     architecture says (`gguf.get_tensor_name_map`, what convert_hf_to_gguf.py maps with), experts included as
     llama.cpp's converters name them once stacked (or split, for gpt-oss's gate|up: each part as
     conversion/gpt_oss.py names it before mapping); tensors an arch drops (Gemma 2's lm_head) excepted. A name
-    without a suffix (gpt-oss's sinks) gets `.weight`, as that converter gives it."""
+    without a suffix gets `.weight` where the GGUF name has one (gpt-oss's sinks, as its converter gives it; not
+    Qwen3.5's A_log, which stays `ssm_a`)."""
     import gguf
 
     from quantserve.gguf.archs import GLOBAL_TENSORS, archs
@@ -93,5 +94,11 @@ def test_every_tensor_name_table_agrees_with_gguf_pys_own_map():
                 part = name.split(".")[0].removeprefix("ffn_").removesuffix("_exps")
                 pairs.append((f"model.layers.1.mlp.experts.{part}_proj.{kind}", f"blk.1.{name}"))
         for hf, name in pairs:
-            hf = hf if hf.endswith((".weight", ".bias")) else hf + ".weight"
+            hf = _CONVERTER_RENAMES.get(hf.rpartition("layers.1.")[2], hf)
+            if not hf.endswith((".weight", ".bias")) and name.endswith(".weight"):
+                hf += ".weight"
             assert theirs.get_name(hf, try_suffixes=(".weight", ".bias")) == name, (spec.name, hf)
+
+
+# tensors llama.cpp's converters rename before mapping (conversion/qwen.py: Qwen3NextModel)
+_CONVERTER_RENAMES = {"linear_attn.dt_bias": "model.layers.1.linear_attn.dt_proj.bias"}

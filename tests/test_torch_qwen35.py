@@ -206,11 +206,11 @@ def test_bad_input_is_named_and_nothing_half_loads(checkpoint, tmp_path):
 
 
 def test_served_through_the_openai_client(checkpoint, tmp_path):
-    """`quantserve run` on the checkpoint picks the torch backend (llama.cpp cannot be given it by quantserve yet),
-    and the plan says what each sequence's state costs."""
+    """`quantserve run --backend torch`: the log says what each sequence's state costs and that prefix caching
+    is off."""
     from tests.conftest import ask_openai, start_server
 
-    srv = start_server(tmp_path, str(checkpoint))
+    srv = start_server(tmp_path, str(checkpoint), "--backend", "torch")
     ask_openai(srv)
     log = srv.log()
-    assert "the torch backend runs it" in log and "recurrent state: 4 slots" in log
+    assert "recurrent state: 4 slots" in log and "prefix caching is off for this model" in log

@@ -111,10 +111,11 @@ def calibrated_gguf(
             f"{src} is a {spec.format} model; calibrated GGUF conversion reads dense HF checkpoints"
         )
     args = ModelArgs.from_hf_config(spec.config)
-    if args.num_experts or args.fused or args.sandwich_norms:
+    if args.num_experts or args.fused or args.sandwich_norms or args.deltanet or args.attn_sinks:
         raise ConfigError(
             f"calibrated rounding to GGUF (--calib) does not handle {args.arch} yet (a mixture of experts, fused "
-            "projections, or Gemma); convert it without --calib, or with an --imatrix from llama-imatrix"
+            "projections, Gemma, Qwen3.5's DeltaNets or gpt-oss); convert it without --calib, or with an --imatrix "
+            "from llama-imatrix"
         )
     if tokens.dim() != 2 or int(tokens.min()) < 0 or int(tokens.max()) >= args.vocab_size:
         raise ConfigError(f"calibration tokens must be [n, T] ids below {args.vocab_size}")

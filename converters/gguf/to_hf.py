@@ -108,10 +108,10 @@ def gguf_to_hf(src: Path, dst: Path, dtype: str = "bf16", progress: bool = True,
             "`llama-gguf-split --merge FIRST_PART merged.gguf`"
         )
     spec = arch_for_gguf(info.architecture, frozenset(t.name for t in info.tensors))
-    if spec.stacked:
+    if not spec.to_hf:
         raise UnsupportedFormatError(
-            f"{src.name} is {spec.gguf_arch}, which quantserve does not convert from GGUF to HF (its experts would "
-            "have to be restacked and its MXFP4 blocks unpacked); use the original HF checkpoint"
+            f"{src.name} is {spec.gguf_arch}, which quantserve does not convert from GGUF to HF (its tensors were "
+            "reshaped or repacked one way); use the original HF checkpoint"
         )
     check_destination(dst, force)
     reader = GGUFTensorReader(info)

@@ -56,6 +56,8 @@ def model_shape(spec: ModelSpec) -> Shape | None:
         n_layer = config["num_hidden_layers"]
         types = config.get("layer_types")  # Qwen3.5's linear-attention layers keep no KV
         attn = sum(t != "linear_attention" for t in types) if isinstance(types, list) else n_layer
+        if not isinstance(types, list) and "linear_num_value_heads" in config:  # every 4th layer attends
+            attn = n_layer // int(config.get("full_attention_interval", 4))
         return Shape(
             n_layer,
             (config.get("num_key_value_heads") or n_head) * attn,

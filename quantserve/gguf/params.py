@@ -83,14 +83,18 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
     if spec.params is not None:
         spec.params(writer, hp, ftype)
         return
-    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"):
+    required = ["num_hidden_layers", "hidden_size", "num_attention_heads"]
+    if hp.get("moe_intermediate_size") is None:  # (a MoE whose every layer routes has no dense width)
+        required.append("intermediate_size")
+    for key in required:
         if hp.get(key) is None:
             raise ModelFileError(f"config.json has no '{key}'; it is required to convert this model")
     writer.add_block_count(hp["num_hidden_layers"])
     if (n_ctx := _find(hp, "max_position_embeddings", "n_ctx", "n_positions", "max_length")) is not None:
         writer.add_context_length(n_ctx)
     writer.add_embedding_length(hp["hidden_size"])
-    writer.add_feed_forward_length(hp["intermediate_size"])
+    if hp.get("intermediate_size") is not None:
+        writer.add_feed_forward_length(hp["intermediate_size"])
     writer.add_head_count(hp["num_attention_heads"])
     if hp.get("num_key_value_heads") is not None:
         writer.add_head_count_kv(hp["num_key_value_heads"])
@@ -113,6 +117,10 @@ def add_arch_params(writer: gguf.GGUFWriter, spec: ArchSpec, hp: Mapping[str, An
             writer.add_rope_scaling_yarn_beta_slow(beta_slow)
     elif rope_type not in (None, "default", "llama3"):  # llama3 becomes the rope_freqs tensor instead
         raise UnsupportedFormatError(f"rope type {rope_type!r} is not supported for conversion to GGUF")
+    if (
+        sections := hp["rope_parameters"].get("mrope_section")
+    ) is not None:  # padded to 4, as the converter does
+        writer.add_rope_dimension_sections([*sections, 0, 0, 0, 0][:4])
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(rope["rope_theta"])
     if (local_theta := hp["rope_parameters"].get("sliding_attention", {}).get("rope_theta")) is not None:

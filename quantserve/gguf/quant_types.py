@@ -69,11 +69,13 @@ def parse_quant(text: str) -> QuantTarget:
 
 
 def keeps_f32(name: str, n_dims: int) -> bool:
-    """Norms, biases, other vectors and MoE routers stay F32 in every file type (convert_hf_to_gguf.py
-    prepare_tensors)."""
+    """Norms, biases, other vectors, MoE routers and a DeltaNet's conv stay F32 in every file type
+    (convert_hf_to_gguf.py prepare_tensors)."""
     return (
         n_dims <= 1
-        or name.endswith(("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight"))
+        or name.endswith(
+            ("_norm.weight", ".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+        )
         or not name.endswith(".weight")
     )
 

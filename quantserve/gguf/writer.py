@@ -7,6 +7,7 @@ sections, then `write_tensor_data` per tensor. Peak memory is the largest tensor
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,10 +46,17 @@ class OutTensor:
 
 
 def _loader(
-    source: SafetensorsSource, hf_name: str, heads: int | None, shift: float, rows: int | None
+    source: SafetensorsSource,
+    hf_name: str,
+    heads: int | None,
+    shift: float,
+    rows: int | None,
+    transform: Callable[[np.ndarray, str], np.ndarray] | None = None,
 ) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         x = source.read(hf_name)
+        if transform is not None:
+            x = transform(x, source.tensors[hf_name].dtype)
         if rows is not None:
             x = x[:rows]
         if shift:
@@ -88,6 +96,8 @@ def plan_tensors(
     for hf_name, t in source.tensors.items():
         if hf_name.endswith(_IGNORED) or hf_name not in text or text[hf_name] in spec.skip_tensors:
             continue
+        if text[hf_name].startswith(_MTP):  # a multi-token-prediction head: left out, as `--no-mtp` does
+            continue
         if hf_name.endswith(_MXFP4_PARTS):  # written first (_mxfp4_experts)
             continue
         if (stacked := experts.add(text[hf_name], hf_name)) is not None:
@@ -110,15 +120,24 @@ def plan_tensors(
         shape, rows = t.shape, None
         if name == "token_embd.weight" and vocab_rows is not None and vocab_rows < shape[0]:
             shape, rows = (vocab_rows, *shape[1:]), vocab_rows
-        shift = spec.norm_shift if text[hf_name].endswith("norm.weight") else 0.0
+        layer = m.group(1) if (m := _LAYER_SUFFIX.match(text[hf_name])) else ""
+        shifted = text[hf_name].endswith("norm.weight") and not layer.endswith(
+            spec.norm_shift_skip or ("\0",)
+        )
+        shift = spec.norm_shift if shifted else 0.0
+        change = spec.transform(layer, shape, hp) if spec.transform is not None and layer else None
+        if change is not None:
+            shape = change[0]
         ne = tuple(reversed(shape))
-        load = _loader(source, hf_name, heads, shift, rows)
+        load = _loader(source, hf_name, heads, shift, rows, change[1] if change is not None else None)
         out.append(OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), load))
     experts.check_complete()
     return packed + out
 
 
 _MXFP4_PARTS = ("_blocks", "_scales")
+_MTP = ("mtp.", "model.mtp.")
+_LAYER_SUFFIX = re.compile(r"^model\.layers\.\d+\.(.+)$")
 
 
 def _split_stacked(

@@ -90,6 +90,16 @@ class ModelArgs:
         arch = next((known[n] for n in names if n in known), None)
         if arch in GEMMA_DEFAULTS:  # Gemma's configs leave out what their config class defaults
             cfg = {**GEMMA_DEFAULTS[arch], **cfg}
+        if arch in HYBRID:  # Qwen3_5TextConfig's defaults for what a trimmed config leaves out
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            base = {"rope_theta": cfg.get("rope_theta", 10000.0),
+                    "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.25)}  # fmt: skip
+            cfg = {
+                "head_dim": 256,
+                "max_position_embeddings": 32768,
+                **cfg,
+                "rope_parameters": {**base, **rope},
+            }
         if arch == "gpt_oss" and not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
             cfg = {**GPT_OSS_DEFAULTS, **cfg}
         elif arch == "gpt_oss":

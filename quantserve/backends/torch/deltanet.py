@@ -171,7 +171,7 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
         v = v.view(bsz, t, self.n_v, self.d_v)
-        beta = b.float().sigmoid()
+        beta = b.sigmoid().float()  # in the projection's dtype, then widened, as transformers and fla do
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         rule = delta_rule_recurrent if t == 1 else delta_rule_chunked
         o, state = rule(q, k, v, g, beta, state)

@@ -34,14 +34,23 @@ log = logging.getLogger("quantserve.torch")
 
 
 def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
+    """Over the attention layers only: Qwen3.5's DeltaNet layers keep a state per sequence instead."""
     a = model.args
-    return (
-        2
-        * a.num_hidden_layers
-        * a.num_key_value_heads
-        * a.head_dim
-        * torch.empty((), dtype=dtype).element_size()
-    )
+    n_attn = sum(not x.linear for x in model.model.layers)
+    return 2 * n_attn * a.num_key_value_heads * a.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def state_bytes_per_seq(model: Transformer, dtype: torch.dtype) -> int:
+    """One sequence's recurrent state over every DeltaNet layer (0 for a model without them)."""
+    from quantserve.backends.torch.deltanet import state_bytes
+
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        state_bytes(x.linear_attn.conv_dim, x.linear_attn.kernel, x.linear_attn.n_v, x.linear_attn.d_k,
+                    x.linear_attn.d_v, size)
+        for x in model.model.layers
+        if x.linear
+    )  # fmt: skip
 
 
 def fill_gpu_blocks(model: Transformer, settings: EngineSettings, n_ctx: int, dtype: torch.dtype) -> int:
@@ -52,6 +61,7 @@ def fill_gpu_blocks(model: Transformer, settings: EngineSettings, n_ctx: int, dt
     torch.cuda.empty_cache()  # memory freed while loading is still reserved by torch's allocator
     free, total = torch.cuda.mem_get_info()
     budget = free - (1 - own.gpu_memory_utilization) * total - 512 * 2**20  # activations
+    budget -= settings.max_num_seqs * state_bytes_per_seq(model, dtype)  # the DeltaNets' state slots, if any
     blocks = int(budget // per_block) - 1  # the runner adds a scratch block
     if blocks < -(-n_ctx // own.block_size):
         raise ConfigError(
@@ -163,7 +173,7 @@ class TorchRunner:
                 # experts looped over route on the host; LongRoPE picks its table by the step's longest position
                 log.info(
                     "this model's decode step runs without CUDA graphs (experts that are not all on the grouped "
-                    "W4A16 kernel, or LongRoPE)"
+                    "W4A16 kernel, DeltaNet layers, or LongRoPE)"
                 )
             else:
                 self.graphs = self.decode_graphs(capture=True)

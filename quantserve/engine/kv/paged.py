@@ -46,6 +46,8 @@ class PagedKV:
         self._by_hash: dict[int, int] = {}
         self._registered: dict[int, tuple[int, int | None]] = {}  # seq_id -> (blocks registered, last hash)
         self.hits = 0  # tokens taken from the cache by allocations, in all (for tests and logs)
+        if state_slots and prefix_caching:  # a cache hit would continue a slot's state from another sequence
+            raise ValueError("prefix caching cannot serve a model with recurrent state slots")
         self.state_slots = state_slots
         self.free_states = list(range(state_slots))[::-1]  # recurrent-state slots; pop() takes the lowest
 

@@ -65,6 +65,10 @@ ParamsExtra = Callable[[Any, Mapping[str, Any]], None]
 Params = Callable[[Any, Mapping[str, Any], int], None]
 # the normalised config.json -> tensors the converter makes from it, written before the checkpoint's (name, f32)
 ExtraTensors = Callable[[Mapping[str, Any]], list[tuple[str, Any]]]
+# (a layer tensor's HF suffix, its shape, the normalised config.json) -> (its GGUF shape, values -> written values)
+Transform = Callable[
+    [str, tuple[int, ...], Mapping[str, Any]], "tuple[tuple[int, ...], Callable[[Any, str], Any]] | None"
+]
 # (a GGUF's metadata, the config.json built so far) -> this arch's own config.json fields (GGUF -> HF)
 GGUFConfig = Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
 
@@ -112,6 +116,11 @@ class ArchSpec:
         the GGUF suffixes it becomes, each with the rows of its output dimension it takes, (first, step). A float
         weight is [E, in, out] and is written [E, out, in]; a bias is [E, out]; an MXFP4 weight is its
         `_blocks` [E, out, in / 32, 16] and `_scales` [E, out, in / 32], written as ggml's MXFP4 blocks.
+    transform: (a layer tensor's HF suffix, its shape, the normalised config.json) -> (its GGUF shape, a function of
+        (its float32 values, the checkpoint's dtype) giving the values written), for a tensor llama.cpp's converter
+        reshapes, reorders or recomputes (Qwen3.5's DeltaNet: A_log -> -exp, V heads regrouped); None for the rest.
+    norm_shift_skip: layer suffixes of `*norm.weight` tensors norm_shift leaves alone (Qwen3.5's gated norm).
+    to_hf: GGUF -> HF converts this arch back (gpt-oss and Qwen3.5 are one way only).
     """
 
     gguf_arch: str
@@ -136,6 +145,9 @@ class ArchSpec:
     check: Callable[[Mapping[str, Any]], None] | None = None
     vocab: Callable[[Path, Mapping[str, Any]], Any] | None = None
     stacked: tuple[tuple[str, tuple[tuple[str, tuple[int, int]], ...]], ...] = ()
+    transform: Transform | None = None
+    norm_shift_skip: tuple[str, ...] = ()
+    to_hf: bool = True
 
     @property
     def name(self) -> str:
@@ -202,7 +214,8 @@ def archs() -> dict[str, ArchSpec]:
     from quantserve.gguf.archs.gpt_oss import GPT_OSS
     from quantserve.gguf.archs.llama import LLAMA, MIXTRAL
     from quantserve.gguf.archs.phi import PHI3
-    from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE
+    from quantserve.gguf.archs.qwen import QWEN2, QWEN3, QWEN3_MOE
+    from quantserve.gguf.archs.qwen35 import QWEN3_5, QWEN3_5_MOE
 
     specs = (LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, GPT_OSS, QWEN3_5, QWEN3_5_MOE)
     return {spec.name: spec for spec in specs}

@@ -74,5 +74,6 @@ GPT_OSS = ArchSpec(
     ),
     params_extra=_params,
     check=_check,
+    to_hf=False,
     torch=True,
 )

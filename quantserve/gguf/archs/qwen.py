@@ -94,32 +94,3 @@ QWEN3_MOE = ArchSpec(
     params_extra=_moe_params,
     torch=True,
 )
-
-
-def _not_yet(hp: Mapping[str, Any]) -> None:
-    raise UnsupportedFormatError(
-        "quantserve does not write Qwen3.5 as GGUF yet; serve the checkpoint with --backend torch, or use a Qwen3.5 "
-        "GGUF made by llama.cpp's convert_hf_to_gguf.py"
-    )
-
-
-# Qwen3.5 / 3.6 dense, as its text model: Gated DeltaNet layers among gated full-attention ones
-# (backends/torch/deltanet.py). The torch backend runs it; GGUF writing is refused by name for now.
-QWEN3_5 = ArchSpec(
-    gguf_arch="qwen35",
-    hf_model_types=("qwen3_5_text",),
-    hf_architectures=("Qwen3_5ForCausalLM",),
-    permute_qk=False,
-    layer_tensors=(),
-    check=_not_yet,
-    torch=True,
-)
-QWEN3_5_MOE = ArchSpec(
-    gguf_arch="qwen35moe",
-    hf_model_types=("qwen3_5_moe_text",),
-    hf_architectures=("Qwen3_5MoeForCausalLM",),
-    permute_qk=False,
-    layer_tensors=(),
-    check=_not_yet,
-    torch=True,
-)
