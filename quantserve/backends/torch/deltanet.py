@@ -178,21 +178,36 @@ class GatedDeltaNet(nn.Module):
         return o.to(mixed.dtype), state
 
     def _paged(self, x: torch.Tensor, qkv: torch.Tensor, step) -> torch.Tensor:
-        """Each segment (first token, count, slot, fresh) continues its slot's state, or starts from zero."""
+        """Each segment (first token, count, slot, fresh) continues its slot's state, or starts from zero. The
+        one-token segments (decoding sequences) go together, gathered by slot; a prefill chunk goes on its own."""
         st = self.state
         assert st is not None, "paged forward needs the layer's recurrent state"
         b, a = self.in_proj_b(x), self.in_proj_a(x)
         out = x.new_empty(x.shape[0], self.n_v, self.d_v)
-        weight = self.conv1d.weight
-        for first, n, slot, fresh in step.recurrent:
+        for _, _, slot, fresh in step.recurrent:
             if fresh:
                 st.conv[slot].zero_()
                 st.ssm[slot].zero_()
+        single = [(first, slot) for first, n, slot, _ in step.recurrent if n == 1]
+        if single:
+            rows = torch.tensor([r for r, _ in single], device=x.device)
+            slots = torch.tensor([s for _, s in single], device=x.device)
+            window = torch.cat(
+                (st.conv[slots], qkv[rows, :, None].to(st.conv.dtype)), dim=-1
+            )  # [B, C, kernel]
+            st.conv[slots] = window[..., 1:]
+            mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)).transpose(
+                1, 2
+            )  # [B, 1, C]
+            o, new = self._rule(mixed.to(x.dtype), b[rows, None], a[rows, None], st.ssm[slots])
+            st.ssm[slots] = new
+            out[rows] = o[:, 0]
+        for first, n, slot, _ in step.recurrent:
+            if n == 1:
+                continue
             window = torch.cat((st.conv[slot], qkv[first : first + n].T.to(st.conv.dtype)), dim=-1)
             st.conv[slot] = window[:, -(self.kernel - 1) :]
-            mixed = F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)).transpose(
-                1, 2
-            )  # [1, n, conv]
+            mixed = F.silu(F.conv1d(window[None], self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
             o, new = self._rule(mixed.to(x.dtype), b[None, first : first + n], a[None, first : first + n],
                                 st.ssm[slot][None])  # fmt: skip
             st.ssm[slot] = new[0]
