@@ -37,12 +37,13 @@ def model_and_tokenizer(smollm2_hf):
 
 
 def make_engine(
-    model_and_tokenizer, max_num_seqs: int, kv_tokens: int, n_batch: int = 64, caching=False, n_ctx=512
-):
+    model_and_tokenizer, max_num_seqs: int, kv_tokens: int, n_batch: int = 64, caching=False, n_ctx=512,
+    device: torch.device | None = None,
+):  # fmt: skip
     model, tok = model_and_tokenizer
     runner = TorchRunner(
         model, tok, EngineSettings(ctx_size=min(kv_tokens, n_ctx), max_num_seqs=max_num_seqs, kv_size=kv_tokens),
-        torch.device("cpu"),
+        device or torch.device("cpu"),
     )  # fmt: skip
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=n_batch, max_queue_len=64)
     return LLMEngine(runner, config, make_kv(runner.kv_spec, prefix_caching=caching)), runner

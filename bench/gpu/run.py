@@ -39,6 +39,7 @@ CUDA_TESTS = [
     "tests/test_fused_kernels.py",
     "tests/test_moe_kernel.py",
     "tests/test_cuda_moe.py",
+    "tests/test_cuda_families.py",
 ]
 
 

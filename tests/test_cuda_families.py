@@ -1,0 +1,87 @@
+"""The 2026 families' CUDA paths, for a lent GPU (bench/gpu/run.sh runs these with the other `cuda` tests): the MXFP4
+GEMM and the paged decode kernel with sinks compiled for the device against their references, and the tiny gpt-oss
+(MXFP4 experts) and Qwen3.5 models in bf16 on the GPU, each step of the engine's paged path against the
+whole-sequence forward and against fp32 on the CPU. Skipped without CUDA; `check_*` take the device, so that the
+same checks can be run on the CPU by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton  # noqa: F401 - before TRITON_INTERPRET is touched (see test_w4a16_kernels.py)
+
+from quantserve.kernels import mxfp4
+from tests.test_paged_attention import case
+from tests.test_torch_gpt_oss import make_checkpoints as gpt_oss_checkpoints
+from tests.test_torch_moe import LONG
+from tests.test_torch_qwen35 import _build as qwen35_checkpoint
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+GPU = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _compiled(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def check_mxfp4_gemm(device: torch.device, dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m + n + k)
+    blocks, scales = mxfp4.quantize(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    want = mxfp4.mxfp4_linear_ref(x.double(), blocks, scales, bias.double())
+    got = mxfp4.mxfp4_linear(x.to(device), blocks.to(device), scales.to(device), bias.to(device)).cpu()
+    # bf16 / fp16 products of exact weights, fp32 accumulation, one rounding of the output
+    rel = ((got.double() - want).abs() / (want.abs() * 2.0**-7 + want.abs().max() * 1e-3)).max()
+    assert got.dtype == dtype and rel < 1, rel
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 2880, 2880), (16, 5760, 2880), (300, 96, 160)])
+def test_mxfp4_gemm_equals_dequantize_then_matmul(dtype, m, n, k):
+    check_mxfp4_gemm(GPU, dtype, m, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [0, 128])
+def test_paged_decode_with_sinks(dtype, window):
+    sinks = torch.linspace(-4, 4, 64)
+    out, ref = case("cuda", dtype, 64, 8, 64, [1, 127, 128, 129, 2000], window=window, sinks=sinks)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
+
+
+def check_model(src, device: torch.device) -> None:
+    """bf16 on `device`: the prompt's logits against the same model in bf16 on the CPU (the same arithmetic, other
+    kernels) and, loosely, in fp32 (a random model in bf16 drifts by a few percent); then the engine's paged path,
+    batched and chunked, to the end without a leak."""
+    from quantserve.backends.torch.tokenizer import HFTokenizer
+    from quantserve.backends.torch.weights import load_model
+    from quantserve.formats import detect
+    from tests.test_torch_engine import make_engine
+    from tests.test_torch_moe import PROMPTS, _together
+
+    spec = detect(src)
+    ids = torch.tensor([LONG])
+    with torch.no_grad():
+        ref32, ref16 = (
+            load_model(spec, dtype=dt, device=torch.device("cpu")) for dt in (torch.float32, torch.bfloat16)
+        )
+        fp32, cpu16 = ref32.compute_logits(ref32(ids)), ref16.compute_logits(ref16(ids))
+        model = load_model(spec, dtype=torch.bfloat16, device=device)
+        got = model.compute_logits(model(ids.to(device))).cpu()
+    assert (got - cpu16).abs().mean() < 2e-2 * cpu16.abs().mean()
+    assert (got - fp32).abs().mean() < 1e-1 * fp32.abs().mean()
+    engine, _ = make_engine((model, HFTokenizer.from_dir(src)), max_num_seqs=4, kv_tokens=1024, n_batch=16,
+                            device=device)  # fmt: skip
+    assert all(len(t) == 8 for t in _together(engine, PROMPTS, 8))
+    assert engine.kv.num_used == 0
+
+
+def test_gpt_oss_mxfp4_in_bf16(smollm2_gguf, tmp_path_factory):
+    check_model(gpt_oss_checkpoints(smollm2_gguf, tmp_path_factory)["mxfp4"], GPU)
+
+
+def test_qwen35_in_bf16(smollm2_gguf, tmp_path_factory):
+    check_model(qwen35_checkpoint("dense", smollm2_gguf, tmp_path_factory), GPU)
