@@ -1,5 +1,5 @@
-"""Qwen3.5 HF -> GGUF, dense and MoE, on the tiny checkpoints of test_torch_qwen35.py (two value heads per key head,
-so the value heads are regrouped): the file equals what llama.cpp's own convert_hf_to_gguf.py writes with
+"""Qwen3.5 HF -> GGUF, dense and MoE, and as released (the text model behind a vision tower, which is left out), on
+the tiny checkpoints of test_torch_qwen35.py (two value heads per key head, so the value heads are regrouped): the file equals what llama.cpp's own convert_hf_to_gguf.py writes with
 `--no-mtp`, key for key and byte for byte, and llama.cpp runs it as transformers does."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.fixture(scope="module")
 def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
-    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe")}
+    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "released")}
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,9 @@ def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize(("kind", "arch"), [("dense", "qwen35"), ("moe", "qwen35moe")])
+@pytest.mark.parametrize(
+    ("kind", "arch"), [("dense", "qwen35"), ("moe", "qwen35moe"), ("released", "qwen35")]
+)
 def test_gguf_equals_convert_hf_to_gguf(kind, arch, checkpoints, oracles, tmp_path):
     ours = hf_to_gguf(checkpoints[kind], tmp_path / "ours.gguf", "f16", progress=False)
     kv, ref = read_gguf_info(ours).metadata, read_gguf_info(oracles[kind]).metadata

@@ -30,12 +30,14 @@ CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidde
 CPU = torch.device("cpu")
 
 
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16)  # fmt: skip
 MOE = dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
-    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe")}
+    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "released")}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,10 @@ def _build(kind: str, smollm2_gguf: Path, tmp_path_factory) -> Path:
     if kind == "moe":
         config = {k: v for k, v in CONFIG.items() if k != "intermediate_size"} | MOE
         model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**config))
+    elif kind == "released":  # as Qwen3.5 ships: the text model behind a vision tower
+        text = {k: v for k, v in CONFIG.items() if k != "tie_word_embeddings"}
+        model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(
+            text_config=text, vision_config=VISION, tie_word_embeddings=False))  # fmt: skip
     else:
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG))
     with torch.no_grad():
@@ -95,7 +101,7 @@ def test_the_chunked_delta_rule_equals_the_recurrent_one_and_transformers():
         assert (o - o1).abs().max() < 1e-4 * o1.abs().max() and (s - s1).abs().max() < 1e-4 * s1.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "released"])
 def test_prompt_logits_equal_transformers(kind, checkpoints):
     checkpoint = checkpoints[kind]
     model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)

@@ -162,7 +162,11 @@ _WINDOWED = {
 _PER_LAYER = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 # Multimodal checkpoints whose language model the torch backend runs alone (text in, text out): the wrapper's
 # architecture -> its language model's (its config.json's text_config)
-WRAPPERS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+WRAPPERS = {
+    "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",  # how Qwen3.5 and 3.6 are released
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 
 
 def layer_windows(config: Mapping[str, Any]) -> tuple[int, ...]:

@@ -48,10 +48,11 @@ QKV_BIAS = (
     ("self_attn.k_proj.bias", "attn_k.bias"),
     ("self_attn.v_proj.bias", "attn_v.bias"),
 )
-# A LLaVA checkpoint's vision tower and projector (they go to the mmproj file, quantserve.gguf.mmproj).
+# A LLaVA checkpoint's vision tower and projector (they go to the mmproj file, quantserve.gguf.mmproj), and
+# Qwen3.5's vision tower (no mmproj written for it yet).
 _MULTIMODAL_PREFIXES = (
     "vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.",
-    "image_newline", "model.image_newline",
+    "image_newline", "model.image_newline", "model.visual.", "visual.",
 )  # fmt: skip
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")

@@ -13,6 +13,10 @@ bases Qwen3NextModel and Qwen2MoeModel), without the multi-token-prediction laye
 - keys: the common ones, then the experts' widths (MoE), the DeltaNet's sizes, which layers are recurrent, the
   full-attention interval, the rotary dimensions (head_dim x partial_rotary_factor) and the M-RoPE sections.
 
+The released checkpoints are Qwen3_5(Moe)ForConditionalGeneration: the text model under `model.language_model.`,
+written here as the text GGUF (the vision tower, `model.visual.`, is left out: llama.cpp takes it as an mmproj,
+which quantserve does not write for Qwen3.5 yet).
+
 GGUF -> HF is not done (the regrouping and the recomputed A_log go one way here).
 """
 
@@ -137,8 +141,8 @@ def _params(writer: Any, hp: Mapping[str, Any]) -> None:
 
 QWEN3_5 = ArchSpec(
     gguf_arch="qwen35",
-    hf_model_types=("qwen3_5_text",),
-    hf_architectures=("Qwen3_5ForCausalLM",),
+    hf_model_types=("qwen3_5_text", "qwen3_5"),  # the text model alone, or as released with its vision tower
+    hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     permute_qk=False,
     layer_tensors=_LAYER + _DENSE_MLP,
     params_extra=_params,
@@ -150,8 +154,8 @@ QWEN3_5 = ArchSpec(
 )
 QWEN3_5_MOE = ArchSpec(
     gguf_arch="qwen35moe",
-    hf_model_types=("qwen3_5_moe_text",),
-    hf_architectures=("Qwen3_5MoeForCausalLM",),
+    hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
+    hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     permute_qk=False,
     layer_tensors=_LAYER + _MOE_MLP,
     experts=EXPERTS,
