@@ -54,7 +54,7 @@ def test_unsupported_architecture_lists_supported(copy, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         UnsupportedFormatError,
-        match="gpt_bigcode.*supported model types: gemma2, gemma3, gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_5_moe_text, qwen3_5_text, "
+        match="gpt_bigcode.*supported model types: gemma2, gemma3, gemma3_text, gpt_oss, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, "
         "qwen3_moe",
     ):
         hf_to_gguf(copy, tmp_path / "out.gguf", "f16", progress=False)

@@ -65,7 +65,8 @@ def test_the_torch_backend_runs_what_the_registry_marks():
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Phi3ForCausalLM": "phi3",
         "MixtralForCausalLM": "mixtral", "GptOssForCausalLM": "gpt_oss", "Qwen3_5ForCausalLM": "qwen3_5_text",
-        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
+        "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3_5ForConditionalGeneration": "qwen3_5",
+        "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
         # the multimodal Gemma 3 for its language model
         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Gemma3ForConditionalGeneration": "gemma3",
     }  # fmt: skip
