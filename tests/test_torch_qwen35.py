@@ -249,3 +249,33 @@ def test_the_paged_deltanet_continues_each_slot_exactly(dtype):
     tol = 1e-5 if dtype == torch.float32 else 0.0
     for i in range(2):
         assert (torch.cat(got[i]) - whole[i, : pos[i]]).abs().max() <= tol
+
+
+def test_a_quantized_deltanet_is_refused_before_anything_loads(checkpoint, tmp_path):
+    """A GPTQ checkpoint that quantizes a DeltaNet projection (the kernels run those in full precision only)."""
+    import json
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    src = Path(shutil.copytree(checkpoint, tmp_path / "m"))
+    tensors = load_file(src / "model.safetensors")
+    prefix = "model.layers.0.linear_attn.in_proj_z"
+    del tensors[prefix + ".weight"]
+    k, n, group = 64, 64, 32
+    tensors |= {
+        f"{prefix}.qweight": np.zeros((k * 4 // 32, n), np.int32),
+        f"{prefix}.qzeros": np.full((k // group, n * 4 // 32), 0x77777777, np.int32),
+        f"{prefix}.scales": np.ones((k // group, n), np.float16),
+        f"{prefix}.g_idx": (np.arange(k) // group).astype(np.int32),
+    }
+    save_file(tensors, src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                     "sym": True}  # fmt: skip
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UnsupportedFormatError, match=r"quantizes the Gated DeltaNet projections \(model\.layers\.0"
+    ):
+        load_model(detect(src), dtype=torch.float32, device=CPU)
