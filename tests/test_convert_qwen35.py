@@ -1,4 +1,5 @@
-"""Qwen3.5 HF -> GGUF, dense and MoE, and as released (the text model behind a vision tower, which is left out), on
+"""Qwen3.5 HF -> GGUF, dense and MoE (its experts stored apart, or stacked as transformers 5 and the released
+checkpoints keep them), and as released (the text model behind a vision tower, which is left out), on
 the tiny checkpoints of test_torch_qwen35.py (two value heads per key head, so the value heads are regrouped): the file equals what llama.cpp's own convert_hf_to_gguf.py writes with
 `--no-mtp`, key for key and byte for byte, and llama.cpp runs it as transformers does."""
 
@@ -41,7 +42,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.fixture(scope="module")
 def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
-    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "released")}
+    return {
+        kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "released", "packed")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,8 @@ def oracles(vendored, checkpoints, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "arch"), [("dense", "qwen35"), ("moe", "qwen35moe"), ("released", "qwen35")]
+    ("kind", "arch"),
+    [("dense", "qwen35"), ("moe", "qwen35moe"), ("released", "qwen35"), ("packed", "qwen35moe")],
 )
 def test_gguf_equals_convert_hf_to_gguf(kind, arch, checkpoints, oracles, tmp_path):
     ours = hf_to_gguf(checkpoints[kind], tmp_path / "ours.gguf", "f16", progress=False)
@@ -86,7 +90,7 @@ def test_a_multi_token_prediction_head_is_left_out(checkpoints, tmp_path):
     assert list(tensor_bytes(with_mtp).items()) == list(tensor_bytes(plain).items())
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "packed"])
 def test_llama_cpp_runs_it_as_transformers_does(kind, checkpoints, tmp_path):
     out = hf_to_gguf(checkpoints[kind], tmp_path / "m.gguf", "f16", progress=False)
     llm = llama_cpp.Llama(str(out), n_ctx=128, flash_attn=False, n_threads=2, verbose=False, logits_all=True)

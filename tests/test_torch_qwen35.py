@@ -37,7 +37,9 @@ MOE = dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_exp
 
 @pytest.fixture(scope="module")
 def checkpoints(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
-    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "released")}
+    return {
+        kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "released", "packed")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def _build(kind: str, smollm2_gguf: Path, tmp_path_factory) -> Path:
     from quantserve.converters.gguf.tokenizer import tokenizer_from_gguf
 
     torch.manual_seed(0)
-    if kind == "moe":
+    if kind in ("moe", "packed"):
         config = {k: v for k, v in CONFIG.items() if k != "intermediate_size"} | MOE
         model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**config))
     elif kind == "released":  # as Qwen3.5 ships: the text model behind a vision tower
@@ -72,8 +74,22 @@ def _build(kind: str, smollm2_gguf: Path, tmp_path_factory) -> Path:
                 p.normal_(0, 1.0)  # a router that prefers some experts
             else:
                 p.normal_(0, 0.1)
+    if kind == "released":  # bf16, but A_log and the gated norms in fp32, as the released checkpoints store them
+        model.to(torch.bfloat16)
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "linear_attn.norm.weight")):
+                p.data = p.data.float()
     d = tmp_path_factory.mktemp(f"qwen35-{kind}")
     model.save_pretrained(d)
+    if (
+        kind == "packed"
+    ):  # transformers 5's own layout, as the released MoE checkpoints ship: each layer's experts
+        # in mlp.experts.gate_up_proj [E, 2 I, H] and down_proj [E, H, I] (save_pretrained writes them apart)
+        from safetensors.torch import save_file
+
+        (d / "model.safetensors").unlink()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, d / "model.safetensors",
+                  metadata={"format": "pt"})  # fmt: skip
     tokenizer_from_gguf(read_gguf_info(smollm2_gguf).metadata).save(d)
     return d
 
@@ -101,7 +117,7 @@ def test_the_chunked_delta_rule_equals_the_recurrent_one_and_transformers():
         assert (o - o1).abs().max() < 1e-4 * o1.abs().max() and (s - s1).abs().max() < 1e-4 * s1.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "released"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "released", "packed"])
 def test_prompt_logits_equal_transformers(kind, checkpoints):
     checkpoint = checkpoints[kind]
     model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)

@@ -30,14 +30,16 @@ class SourceTensor:
 
 
 class SafetensorsSource:
-    """All tensors of a dense checkpoint, in file order (shards in index order)."""
+    """All tensors of a dense checkpoint, in the order llama.cpp's converter reads them: the shards by file name,
+    each shard's tensors by name (gguf-py's SafetensorsLocal), not by where their data lies (the safetensors
+    library lays it out by dtype first, so a checkpoint mixing F32 and BF16 tensors differs)."""
 
     def __init__(self, spec: ModelSpec):
         self.directory = spec.directory
         self.tensors: dict[str, SourceTensor] = {}
-        for path in spec.files:
+        for path in sorted(spec.files, key=lambda p: p.name):
             header = read_safetensors_header(path)
-            for t in sorted(header.tensors.values(), key=lambda t: t.begin):
+            for t in sorted(header.tensors.values(), key=lambda t: t.name):
                 off = header.data_offset + t.begin
                 self.tensors[t.name] = SourceTensor(t.name, t.dtype, t.shape, path, off, t.n_bytes)
         self._maps: dict[Path, np.memmap] = {}

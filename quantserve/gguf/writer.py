@@ -106,6 +106,9 @@ def plan_tensors(
         if (parts := spec.stacked_parts(text[hf_name])) is not None:  # stacked by the checkpoint (gpt-oss)
             out += _split_stacked(source, hf_name, parts, target, tied)
             continue
+        if spec.experts and (packed := _packed_experts(spec, source, hf_name, text[hf_name], target, tied)):
+            out += packed
+            continue
         name = spec.gguf_name(text[hf_name])
         if name is None:
             raise UnsupportedFormatError(
@@ -158,6 +161,37 @@ def _split_stacked(
             return (x.transpose(0, 2, 1) if x.ndim == 3 else x)[:, rows]
 
         found.append(OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), load))
+    return found
+
+
+_PACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def _packed_experts(
+    spec: ArchSpec, source: SafetensorsSource, hf_name: str, name: str, target: QuantTarget, tied
+) -> list[OutTensor]:
+    """A layer's experts as transformers 5 stacks them itself (the released Qwen3.5-MoE): `gate_up_proj`
+    [E, 2 I, H] splits into its gate and up halves, `down_proj` [E, H, I] is written as it is, each under the
+    arch's stacked expert name (convert_hf_to_gguf.py's Qwen2MoeModel.modify_tensors). [] for any other tensor."""
+    m = _PACKED.match(name)
+    shape = source.tensors[hf_name].shape
+    if m is None or len(shape) != 3:
+        return []
+    names = dict(spec.experts)
+    if m.group(2) == "down_proj":
+        parts = [(names["down_proj.weight"], slice(None))]
+    else:
+        half = shape[1] // 2
+        parts = [(names["gate_proj.weight"], slice(0, half)), (names["up_proj.weight"], slice(half, None))]
+    found = []
+    for suffix, rows in parts:
+        gguf_name = f"blk.{m.group(1)}.{suffix}"
+        ne = (shape[2], len(range(shape[1])[rows]), shape[0])
+
+        def load(rows: slice = rows) -> np.ndarray:
+            return np.ascontiguousarray(source.read(hf_name)[:, rows])
+
+        found.append(OutTensor(gguf_name, ne, direct_tensor_type(gguf_name, ne, target, tied), load))
     return found
 
 

@@ -217,7 +217,10 @@ def _wrapped_text(cfg: dict[str, Any]) -> dict[str, Any]:
         raise UnsupportedFormatError(
             f"config.json of a {cfg['architectures'][0]} has no text_config with the language model's sizes"
         )
-    tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    # what the wrapper's config class defaults to: Gemma 3 ties, Qwen3.5 does not
+    tied = cfg.get(
+        "tie_word_embeddings", text.get("tie_word_embeddings", cfg["architectures"][0].startswith("Gemma"))
+    )
     return {**text, "architectures": [WRAPPERS[cfg["architectures"][0]]], "tie_word_embeddings": tied}
 
 

@@ -8,6 +8,7 @@ quantserve.formats and repacked to Marlin (vLLM's layout) for the W4A16 kernels.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -95,18 +96,49 @@ def _fill_dense(
 
 
 class _SafetensorsFiles:
-    """Tensors by name across (sharded) safetensors files, read through safetensors' memory map (no pickle)."""
+    """Tensors by name across (sharded) safetensors files, read through safetensors' memory map (no pickle).
+
+    A mixture of experts saved in transformers 5's own layout stacks a layer's experts in two tensors,
+    `mlp.experts.gate_up_proj` [E, 2 I, H] (gate in the first half of the rows) and `mlp.experts.down_proj`
+    [E, H, I] (how the released Qwen3.5-MoE checkpoints ship): each expert's gate_proj, up_proj and down_proj are
+    read from them as if stored apart, only that expert's rows."""
 
     def __init__(self, files: tuple[Path, ...]):
         self._handles = [safe_open(str(p), framework="pt") for p in files]
         self.where = {n: h for h in self._handles for n in h.keys()}  # noqa: SIM118 - safe_open has keys()
+        self.unpacked: dict[
+            str, tuple[str, int, slice]
+        ] = {}  # per-expert name -> (stacked name, expert, rows)
+        for n, h in self.where.items():
+            m = _PACKED_EXPERTS.match(n)
+            shape = h.get_slice(n).get_shape() if m else []
+            if not m or len(shape) != 3:
+                continue
+            base, kind = m.group(1), m.group(2)
+            half = shape[1] // 2
+            parts = {"gate_proj": slice(0, half), "up_proj": slice(half, None)} if kind == "gate_up_proj" else {
+                "down_proj": slice(None)}  # fmt: skip
+            for e in range(shape[0]):
+                for part, rows in parts.items():
+                    self.unpacked[f"{base}.{e}.{part}.weight"] = (n, e, rows)
+
+    def names(self) -> list[str]:
+        return [*self.where, *(n for n in self.unpacked if n not in self.where)]
 
     def read(self, name: str) -> torch.Tensor:
+        if name not in self.where and name in self.unpacked:
+            packed, e, rows = self.unpacked[name]
+            return self.where[packed].get_slice(packed)[e, rows]
         return self.where[name].get_tensor(name)
 
     def lazy(self, name: str):
         """The tensor as a slice object: indexing it reads only those rows or columns (a tensor-parallel rank's)."""
+        if name not in self.where and name in self.unpacked:
+            return self.read(name)  # one expert's matrix, already small
         return self.where[name].get_slice(name)
+
+
+_PACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
 
 
 def _set_module(model: nn.Module, prefix: str, module: nn.Module) -> None:
@@ -214,7 +246,7 @@ def load_model(
     elif spec.format == "safetensors":
         model = _empty_model(args, dtype, device, vocab_rows=vocab_rows)
         files = _SafetensorsFiles(spec.files)
-        dense = {name(n): n for n in files.where}
+        dense = {name(n): n for n in files.names()}
         if shards is None:
             _fill_dense(model, set(dense), lambda n: files.read(dense[n]), skip=set())
         else:  # a rank reads only its slice of each tensor
