@@ -188,10 +188,12 @@ class GatedDeltaNet(nn.Module):
             if fresh:
                 st.conv[slot].zero_()
                 st.ssm[slot].zero_()
-        single = [(first, slot) for first, n, slot, _ in step.recurrent if n == 1]
-        if single:
-            rows = torch.tensor([r for r, _ in single], device=x.device)
-            slots = torch.tensor([s for _, s in single], device=x.device)
+        rows, slots = getattr(step, "single_rows", None), getattr(step, "single_slots", None)
+        if rows is None:  # (a step made by hand: tests)
+            single = [(first, slot) for first, n, slot, _ in step.recurrent if n == 1]
+            rows = torch.tensor([r for r, _ in single], dtype=torch.long, device=x.device)
+            slots = torch.tensor([s for _, s in single], dtype=torch.long, device=x.device)
+        if rows.numel():
             window = torch.cat(
                 (st.conv[slots], qkv[rows, :, None].to(st.conv.dtype)), dim=-1
             )  # [B, C, kernel]

@@ -90,6 +90,9 @@ class StepBatch:
     # linear-attention layers (Qwen3.5): each sequence's run of new tokens (first index, count, its state slot,
     # whether it starts from position 0, so from a zero state)
     recurrent: tuple[tuple[int, int, int, bool], ...] = ()
+    # the one-token segments among them (decoding sequences), on the device once per step: their rows, their slots
+    single_rows: torch.Tensor | None = None
+    single_slots: torch.Tensor | None = None
 
 
 def _cells(table: list[int], start: int, stop: int, block_size: int) -> list[int]:
@@ -180,4 +183,6 @@ def prepare_step(
         image_rows=tensor(image_rows) if image_rows else None,
         image_pieces=tuple(image_pieces),
         recurrent=tuple(recurrent),
+        single_rows=tensor([f for f, n, _, _ in recurrent if n == 1]) if recurrent else None,
+        single_slots=tensor([sl for _, n, sl, _ in recurrent if n == 1]) if recurrent else None,
     )
