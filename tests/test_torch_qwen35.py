@@ -74,7 +74,9 @@ def _build(kind: str, smollm2_gguf: Path, tmp_path_factory) -> Path:
                 p.normal_(0, 1.0)  # a router that prefers some experts
             else:
                 p.normal_(0, 0.1)
-    if kind == "released":  # bf16, but A_log and the gated norms in fp32, as the released checkpoints store them
+    if (
+        kind == "released"
+    ):  # bf16, but A_log and the gated norms in fp32, as the released checkpoints store them
         model.to(torch.bfloat16)
         for name, p in model.named_parameters():
             if name.endswith(("A_log", "linear_attn.norm.weight")):

@@ -191,3 +191,28 @@ def test_missing_or_bad_files_raise_typed_errors(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(UnsupportedFormatError, match="WordPiece tokenizer.*--backend llamacpp"):
         HFTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "end_ends"),
+    [
+        (("<|return|>", "<|call|>"), False),
+        (("<|calls|>", "<|flush|>"), False),
+        (("<|return|>",), True),
+        ((), True),
+    ],
+)
+def test_end_closes_a_message_where_harmony_ends_with_return_and_call(extra, end_ends, tmp_path):
+    """llama-vocab.cpp's o200k_harmony (and solar-open) workaround: with <|return|> and <|call|> among the
+    end-of-generation tokens, gpt-oss's <|end|> only closes its analysis message; generation goes on to the final
+    answer, and <|end|> is printed like text. Phi-3's <|end|> (no <|return|>) still ends generation."""
+    _write_spm_dir(tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|end|>", *extra)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 280 + 1 + len(extra), "eos_token_id": 2}))
+    ours = HFTokenizer.from_dir(tmp_path)
+    end = tok.token_to_id("<|end|>")
+    assert ours.is_eog(end) == end_ends
+    assert ours.token_bytes(end) == (b"" if end_ends else b"<|end|>")
+    assert all(ours.is_eog(tok.token_to_id(t)) for t in extra)

@@ -190,6 +190,16 @@ class HFTokenizer:
             t for t in [eos, *_ids(config.get("eos_token_id")), *_ids(gen.get("eos_token_id"))] if t < n_vocab
         }
         eog.discard(-1)
+        # llama-vocab.cpp's o200k_harmony / solar-open workaround: where the end-of-generation tokens include
+        # <|return|> and <|call|> (or <|calls|> and <|flush|>), <|end|> only closes a message (gpt-oss's analysis
+        # comes before its final answer): it leaves the list, and is printed like user-defined text
+        eog_texts = {texts[i] for i in eog}
+        harmony = ({"<|return|>"} <= eog_texts and eog_texts & {"<|call|>", "<|calls|>"}) or (
+            eog_texts >= {"<|flush|>"} and eog_texts & {"<|call|>", "<|calls|>"})  # fmt: skip
+        if harmony and "<|end|>" in eog_texts:
+            end = next(i for i in eog if texts[i] == "<|end|>")
+            eog.discard(end)
+            control.discard(end)
         # llama.cpp parses its control tokens as specials even where tokenizer.json has them as plain vocabulary
         # (Qwen's "</s>") or as non-special added tokens (Phi-3's "</s>"); a byte-level vocabulary entry is
         # spelled like the raw text only when it is ASCII
