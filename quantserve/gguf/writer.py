@@ -92,7 +92,7 @@ def plan_tensors(
         out.append(OutTensor(name, value.shape, T.F32, lambda value=value: value))
     experts = _Experts(spec, source, hp, target, tied)
     vocab_rows = spec.vocab_rows(source.directory) if spec.vocab_rows else None
-    packed = _mxfp4_experts(spec, source)
+    mxfp4 = _mxfp4_experts(spec, source)
     for hf_name, t in source.tensors.items():
         if hf_name.endswith(_IGNORED) or hf_name not in text or text[hf_name] in spec.skip_tensors:
             continue
@@ -106,8 +106,8 @@ def plan_tensors(
         if (parts := spec.stacked_parts(text[hf_name])) is not None:  # stacked by the checkpoint (gpt-oss)
             out += _split_stacked(source, hf_name, parts, target, tied)
             continue
-        if spec.experts and (packed := _packed_experts(spec, source, hf_name, text[hf_name], target, tied)):
-            out += packed
+        if spec.experts and (split := _packed_experts(spec, source, hf_name, text[hf_name], target, tied)):
+            out += split
             continue
         name = spec.gguf_name(text[hf_name])
         if name is None:
@@ -135,7 +135,7 @@ def plan_tensors(
         load = _loader(source, hf_name, heads, shift, rows, change[1] if change is not None else None)
         out.append(OutTensor(name, ne, direct_tensor_type(name, ne, target, tied), load))
     experts.check_complete()
-    return packed + out
+    return mxfp4 + out
 
 
 _MXFP4_PARTS = ("_blocks", "_scales")

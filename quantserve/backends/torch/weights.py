@@ -106,9 +106,8 @@ class _SafetensorsFiles:
     def __init__(self, files: tuple[Path, ...]):
         self._handles = [safe_open(str(p), framework="pt") for p in files]
         self.where = {n: h for h in self._handles for n in h.keys()}  # noqa: SIM118 - safe_open has keys()
-        self.unpacked: dict[
-            str, tuple[str, int, slice]
-        ] = {}  # per-expert name -> (stacked name, expert, rows)
+        # per-expert name -> (the stacked tensor's name, the expert, its rows)
+        self.unpacked: dict[str, tuple[str, int, slice]] = {}
         for n, h in self.where.items():
             m = _PACKED_EXPERTS.match(n)
             shape = h.get_slice(n).get_shape() if m else []
@@ -156,7 +155,7 @@ def decoder_linears(model: Transformer) -> list[str]:
         and n.startswith("model.layers.")
         and not n.endswith((".mlp.gate", ".mlp.router", ".mlp.shared_expert_gate"))
         and ".linear_attn."
-        not in n  # Qwen3.5's DeltaNets stay in the model's dtype, as the published recipes
+        not in n  # Qwen3.5's DeltaNets stay in the model's dtype, as its recipes keep them
     ]
 
 
