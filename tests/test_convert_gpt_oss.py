@@ -145,14 +145,3 @@ def test_what_cannot_be_done_is_refused_by_name(checkpoints, tmp_path):
     with pytest.raises(UnsupportedFormatError, match="does not convert from GGUF to HF"):
         gguf_to_hf(out, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
-
-
-def test_quantserve_run_serves_the_mxfp4_checkpoint_through_llama_cpp(checkpoints, tmp_path):
-    """No GPU here: `quantserve run` converts it at load (q8_0, the experts kept MXFP4) and llama.cpp serves it to
-    the official client."""
-    pytest.importorskip("openai")
-    from tests.conftest import ask_openai, start_server
-
-    srv = start_server(tmp_path, str(checkpoints["mxfp4"]), "--no-cache", "--cache-dir", str(tmp_path / "c"))
-    ask_openai(srv)
-    assert "after conversion to GGUF" in srv.log()

@@ -229,15 +229,14 @@ def test_bad_input_is_named_and_nothing_half_loads(checkpoint, tmp_path):
         local_args(ModelArgs.from_hf_config(config), 2)
 
 
-def test_served_through_the_openai_client(checkpoint, tmp_path):
-    """`quantserve run --backend torch`: the log says what each sequence's state costs and that prefix caching
-    is off."""
-    from tests.conftest import ask_openai, start_server
+def test_the_runner_logs_the_state_and_why_prefix_caching_is_off(checkpoint, caplog):
+    """(The server's log: `quantserve run --backend torch` prints what the TorchRunner logs.)"""
+    import logging
 
-    srv = start_server(tmp_path, str(checkpoint), "--backend", "torch")
-    ask_openai(srv)
-    log = srv.log()
-    assert "recurrent state: 4 slots" in log and "prefix caching is off for this model" in log
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
+    with caplog.at_level(logging.INFO, logger="quantserve.torch"):
+        make_engine((model, HFTokenizer.from_dir(checkpoint)), max_num_seqs=4, kv_tokens=256)
+    assert "recurrent state: 4 slots" in caplog.text and "prefix caching is off for this model" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
