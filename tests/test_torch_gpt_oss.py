@@ -144,12 +144,16 @@ def test_batched_chunked_cached_greedy_equals_transformers_alone(kind, checkpoin
 
 
 def test_preemption_recomputes_exactly(checkpoints):
-    src = checkpoints["mxfp4"]
+    engine = preempted_equals_alone(checkpoints["mxfp4"])
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def preempted_equals_alone(src: Path):
+    """Three prompts batched in a 64-token pool (4 blocks of 16), so that one is preempted and recomputed, give
+    each prompt's tokens alone; returns the batched engine for its ledger's counts."""
     model = load_model(detect(src), dtype=torch.float32, device=CPU)
     tok = HFTokenizer.from_dir(src)
-    engine, _ = make_engine(
-        (model, tok), max_num_seqs=4, kv_tokens=64
-    )  # 4 blocks of 16: someone is preempted
+    engine, _ = make_engine((model, tok), max_num_seqs=4, kv_tokens=64)
     preempted = []
     orig = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))[1]
@@ -157,7 +161,7 @@ def test_preemption_recomputes_exactly(checkpoints):
     assert preempted
     alone, _ = make_engine((model, tok), max_num_seqs=1, kv_tokens=512)
     assert got == [_together(alone, [p], 24)[0] for p in PROMPTS[:3]]
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    return engine
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -155,19 +155,9 @@ def test_batched_chunked_greedy_equals_transformers_alone(kind, checkpoints):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_preemption_recomputes_the_state_exactly(kind, checkpoints):
-    checkpoint = checkpoints[kind]
-    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
-    tok = HFTokenizer.from_dir(checkpoint)
-    engine, _ = make_engine(
-        (model, tok), max_num_seqs=4, kv_tokens=64
-    )  # 4 blocks of 16: someone is preempted
-    preempted = []
-    orig = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), orig(seq))[1]
-    got = _together(engine, PROMPTS[:3], 24)
-    assert preempted
-    alone, _ = make_engine((model, tok), max_num_seqs=1, kv_tokens=512)
-    assert got == [_together(alone, [p], 24)[0] for p in PROMPTS[:3]]
+    from tests.test_torch_gpt_oss import preempted_equals_alone
+
+    engine = preempted_equals_alone(checkpoints[kind])
     assert engine.kv.num_free_blocks == engine.kv.num_blocks and len(engine.kv.free_states) == 4
 
 

@@ -139,30 +139,21 @@ def _params(writer: Any, hp: Mapping[str, Any]) -> None:
         writer.add_rope_dimension_sections(_DEFAULT_SECTIONS)
 
 
+# what the dense and MoE files share: every DeltaNet rule above, written one way only
+_HYBRID = dict(permute_qk=False, params_extra=_params, transform=_transform, norm_shift=1.0,
+               norm_shift_skip=("linear_attn.norm.weight",), to_hf=False, torch=True)  # fmt: skip
 QWEN3_5 = ArchSpec(
     gguf_arch="qwen35",
     hf_model_types=("qwen3_5_text", "qwen3_5"),  # the text model alone, or as released with its vision tower
     hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
-    permute_qk=False,
     layer_tensors=_LAYER + _DENSE_MLP,
-    params_extra=_params,
-    transform=_transform,
-    norm_shift=1.0,
-    norm_shift_skip=("linear_attn.norm.weight",),
-    to_hf=False,
-    torch=True,
+    **_HYBRID,
 )
 QWEN3_5_MOE = ArchSpec(
     gguf_arch="qwen35moe",
     hf_model_types=("qwen3_5_moe_text", "qwen3_5_moe"),
     hf_architectures=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-    permute_qk=False,
     layer_tensors=_LAYER + _MOE_MLP,
     experts=EXPERTS,
-    params_extra=_params,
-    transform=_transform,
-    norm_shift=1.0,
-    norm_shift_skip=("linear_attn.norm.weight",),
-    to_hf=False,
-    torch=True,
+    **_HYBRID,
 )
