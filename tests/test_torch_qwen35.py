@@ -259,7 +259,8 @@ def test_the_paged_deltanet_continues_each_slot_exactly(dtype):
 
 
 def test_a_quantized_deltanet_is_refused_before_anything_loads(checkpoint, tmp_path):
-    """A GPTQ checkpoint that quantizes a DeltaNet projection (the kernels run those in full precision only)."""
+    """A GPTQ checkpoint that quantizes a DeltaNet's in_proj_b (one output per value head: the kernels run it in
+    full precision only; its in_proj_qkv, in_proj_z and out_proj may be quantized, test_quantize_qwen35.py)."""
     import json
     import shutil
 
@@ -268,21 +269,21 @@ def test_a_quantized_deltanet_is_refused_before_anything_loads(checkpoint, tmp_p
 
     src = Path(shutil.copytree(checkpoint, tmp_path / "m"))
     tensors = load_file(src / "model.safetensors")
-    prefix = "model.layers.0.linear_attn.in_proj_z"
+    prefix = "model.layers.0.linear_attn.in_proj_b"
     del tensors[prefix + ".weight"]
-    k, n, group = 64, 64, 32
+    k, n, group = 64, 4, 32
     tensors |= {
-        f"{prefix}.qweight": np.zeros((k * 4 // 32, n), np.int32),
-        f"{prefix}.qzeros": np.full((k // group, n * 4 // 32), 0x77777777, np.int32),
+        f"{prefix}.qweight": np.zeros((k * 8 // 32, n), np.int32),
+        f"{prefix}.qzeros": np.full((k // group, n * 8 // 32), 0x7F7F7F7F, np.int32),
         f"{prefix}.scales": np.ones((k // group, n), np.float16),
         f"{prefix}.g_idx": (np.arange(k) // group).astype(np.int32),
     }
     save_file(tensors, src / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 8, "group_size": group, "desc_act": False,
                                      "sym": True}  # fmt: skip
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        UnsupportedFormatError, match=r"quantizes the Gated DeltaNet projections \(model\.layers\.0"
+        UnsupportedFormatError, match=r"quantizes a Gated DeltaNet's in_proj_b \(model\.layers\.0"
     ):
         load_model(detect(src), dtype=torch.float32, device=CPU)

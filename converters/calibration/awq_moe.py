@@ -8,15 +8,16 @@ from torch.func import functional_call
 
 from quantserve.backends.torch.model import TransformerBlock
 from quantserve.converters.calibration.layers import (
-    LINEARS,
     QuantizeOptions,
-    attention_folds,
-    attention_scales,
     capture,
     fold_scales,
     linear_fn,
+    mixer_hooks,
+    mixer_scales,
     scale_searcher,
 )
+
+SHARED_DOWN = "mlp.shared_expert.down_proj"
 
 
 def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
@@ -26,7 +27,11 @@ def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
     scaled against its own up. The router reads that norm too: its columns are multiplied by the shared scale
     (it stays dense), so it routes exactly as before. The gate|up scale is searched on every calibration token
     (each expert sees them all while calibrating, calibrate_all), a down's on the tokens routed to its expert
-    only, as AutoAWQ keeps them (which also bounds what is held to the routed tokens)."""
+    only, as AutoAWQ keeps them (which also bounds what is held to the routed tokens).
+
+    Qwen3.5-MoE's shared expert reads that norm too: its gate and up join the shared scale's search and folding,
+    its gate (`shared_expert_gate`, dense) takes the scale on its columns like the router, and its down is scaled
+    against its own up, on every token. The token mixer's scales are layers.py's (attention, or a DeltaNet)."""
     mlp = block.mlp
     experts = list(mlp.experts)
     downs = tuple(f"mlp.experts.{e}.down_proj" for e in range(len(experts)))
@@ -37,22 +42,28 @@ def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
         if name == "mlp.gate":  # (inside the router's own hook: its logits recomputed, not the module called)
             routed[:] = [mlp.choose(F.linear(x.reshape(-1, x.shape[-1]), mlp.gate.weight))[0]]
             name = "x_mlp"
-        elif name in downs:
+        elif name in downs and name != SHARED_DOWN:  # (the shared expert's down reads every token)
             x = x.reshape(-1, x.shape[-1])[(routed[0] == downs.index(name)).any(-1)]
         feats.setdefault(name, []).append(x)
 
-    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate", *downs)
+    if mlp.shared:
+        experts.append(mlp.shared_expert)
+        downs += (SHARED_DOWN,)
+    hooked = (*mixer_hooks(block), "mlp.gate", *downs)
     capture(block, hidden, rope, hooked, sink, opt.batch_size)
-    x_qkv, x_o, x_mlp = (torch.cat(feats.pop(n)) for n in ("self_attn.q_proj", "self_attn.o_proj", "x_mlp"))
+    x_mlp = torch.cat(feats.pop("x_mlp"))
     x_downs = [torch.cat(feats.pop(n)) for n in downs]
 
-    gate_up = [f"experts.{e}.{p}.weight" for e in range(len(experts)) for p in ("gate_proj", "up_proj")]
+    owners = [
+        d.removeprefix("mlp.").removesuffix("down_proj") for d in downs
+    ]  # "experts.3.", "shared_expert."
+    gate_up = [f"{o}{p}.weight" for o in owners for p in ("gate_proj", "up_proj")]
 
     def moe_fn(x: torch.Tensor, ws) -> torch.Tensor:
         return functional_call(mlp, dict(zip(gate_up, ws, strict=True)), (x,))
 
     search = scale_searcher(opt)
-    s_qkv, s_o = attention_scales(block, x_qkv, x_o, rope, search)
+    folds, inputs = mixer_scales(block, feats, rope, search)
     s_mlp = search(x_mlp, [mlp.get_parameter(n) for n in gate_up], moe_fn)
     s_downs = [
         search(x, [ex.down_proj.weight], linear_fn)
@@ -61,15 +72,15 @@ def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
         for x, ex in zip(x_downs, experts, strict=True)
     ]  # an expert no calibration token reaches keeps its weights as they are
     up_and_gate = [m for ex in experts for m in (ex.gate_proj, ex.up_proj)]
+    routers = [mlp.gate, mlp.shared_expert_gate] if mlp.shared else [mlp.gate]
     fold_scales(
         [
-            *attention_folds(block, s_qkv, s_o),
-            (block.post_attention_layernorm, None, [*up_and_gate, mlp.gate], s_mlp),
+            *folds,
+            (block.post_attention_layernorm, None, [*up_and_gate, *routers], s_mlp),
             *((ex.up_proj, None, [ex.down_proj], s) for ex, s in zip(experts, s_downs, strict=True)),
         ]
     )
-    inputs = {n: (x_qkv, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_o, s_o)}
-    for e, (x, s) in enumerate(zip(x_downs, s_downs, strict=True)):
-        inputs |= {f"mlp.experts.{e}.gate_proj": (x_mlp, s_mlp), f"mlp.experts.{e}.up_proj": (x_mlp, s_mlp)}
-        inputs[f"mlp.experts.{e}.down_proj"] = (x, s)
+    for owner, x, s in zip(owners, x_downs, s_downs, strict=True):
+        inputs |= {f"mlp.{owner}gate_proj": (x_mlp, s_mlp), f"mlp.{owner}up_proj": (x_mlp, s_mlp)}
+        inputs[f"mlp.{owner}down_proj"] = (x, s)
     return inputs

@@ -146,8 +146,10 @@ def quantize_model(
     batch_size: int = 8,
     overrides: dict[str, tuple[int, int]] | None = None,
     progress: bool = True,
+    deltanet: bool = False,
 ) -> Iterator[QuantizedLinear | DenseTensor]:
-    """Quantize every decoder linear of a dense llama/mistral/qwen2/qwen3 checkpoint, one layer at a time.
+    """Quantize every decoder linear of a dense checkpoint of a family the torch model runs, one layer at a time
+    (Qwen3.5's Gated DeltaNet projections only with `deltanet`; layers.py says which).
 
     Args:
         src_dir: HF model directory (config.json + fp16/bf16/fp32 safetensors).
@@ -178,7 +180,7 @@ def quantize_model(
     args = ModelArgs.from_hf_config(spec.config)
     opt = QuantizeOptions(
         method, bits, group_size, sym, act_order, damp_percent, static_groups, true_sequential, duo_scaling,
-        scale_dtype, batch_size, tuple(sorted((overrides or {}).items())),
+        scale_dtype, batch_size, tuple(sorted((overrides or {}).items())), deltanet=deltanet,
     )  # fmt: skip
     opt.check(args)
     if opt.calibrated:
@@ -225,19 +227,24 @@ def _stream(
             hidden *= args.hidden_size**0.5
         rope, local = ropes(args, tokens.shape[1], device)
     del embed
-    block = empty_block(args, device)
-    state = block.state_dict()
-    linears = block_linears(block)
+    blocks: dict[str, tuple[TransformerBlock, dict[str, torch.Tensor], tuple[str, ...]]] = {}
     n_layers = args.num_hidden_layers
     bar = tqdm(range(n_layers), desc=f"quantize ({opt.method})", unit="layer", disable=not progress)
     for i in bar:
         start = time.perf_counter()
         prefix = f"model.layers.{i}."
+        # one block serves every layer of a kind (Qwen3.5: a DeltaNet one and an attention one)
+        kind = args.layer_types[i] if args.layer_types else ""
+        if kind not in blocks:
+            block = empty_block(args, device, i, deltanet=opt.deltanet)
+            blocks[kind] = block, block.state_dict(), block_linears(block)
+        block, state, linears = blocks[kind]
         dtypes = load_layer(reader, state, i, args.norm_offset)
-        norms = {n: p.clone() for n, p in state.items() if args.norm_offset and n.endswith("norm.weight")}
+        norms = {n: p.clone() for n, p in state.items() if args.norm_offset and shifted(n)}
         used.update(prefix + name for name in state)
         window = args.layer_windows[i] if args.layer_windows else 0
-        block.self_attn.window = window  # one block serves every layer: its window is the layer's
+        if not block.linear:
+            block.self_attn.window = window  # its window is the layer's
         layer_rope = local if window else rope
         results = LAYER_METHODS[opt.method](
             block, hidden, layer_rope if hidden is not None else None, replace(opt, layer=i)
@@ -245,7 +252,7 @@ def _stream(
         kept = {n for n, p in norms.items() if torch.equal(p, state[n])}  # Gemma norms AWQ did not rescale
         for name, p in state.items():  # dense tensors as they will be stored (AWQ changed norms and v's bias)
             if name.removesuffix(".weight") not in linears and name not in kept:
-                off = args.norm_offset if name.endswith("norm.weight") else 0.0  # Gemma's stored w of 1 + w
+                off = args.norm_offset if shifted(name) else 0.0  # Gemma's stored w of 1 + w
                 p.copy_((p - off).to(dtypes[name]).float() + off)
         if hidden is not None and i + 1 < n_layers:
             run_block(block, hidden, layer_rope, opt.batch_size, out=hidden)
@@ -264,7 +271,7 @@ def _stream(
                     qw, loss = results[module]
                     b = None if bias is None else bias.to("cpu", dtypes[module + ".bias"], copy=True)
                     yield QuantizedLinear(reader.their_name(prefix + module), _to_cpu(qw), b, loss)
-            elif args.norm_offset and name.endswith("norm.weight"):  # Gemma's norm as stored (w, not 1 + w)
+            elif args.norm_offset and shifted(name):  # Gemma's norm as stored (w, not 1 + w)
                 # the checkpoint's own bytes unless AWQ rescaled it ((1 + w) - 1 may round in float32)
                 w = (
                     reader.get(prefix + name)
@@ -274,7 +281,7 @@ def _stream(
                 yield DenseTensor(reader.their_name(prefix + name), w)
             else:
                 yield DenseTensor(reader.their_name(prefix + name), p.to("cpu", dtypes[name], copy=True))
-    del block, state, hidden
+    del blocks, hidden
     yield DenseTensor(reader.their_name(FINAL_NORM), reader.get(FINAL_NORM))
     if LM_HEAD in reader and not args.tie_word_embeddings:
         yield DenseTensor(reader.their_name(LM_HEAD), reader.get(LM_HEAD))
@@ -302,19 +309,29 @@ def load_layer(
             raise ModelFileError(
                 f"model.layers.{i}.{name}: shape {list(src.shape)}, config implies {list(dst.shape)}"
             )
-        dst.copy_(src.float() + norm_offset if norm_offset and name.endswith("norm.weight") else src)
+        dst.copy_(src.float() + norm_offset if norm_offset and shifted(name) else src)
         dtypes[name] = src.dtype
     return dtypes
 
 
-def empty_block(args: ModelArgs, device: torch.device) -> TransformerBlock:
-    """A float32 decoder block on `device`, reused for every layer (no random init of weights that get
-    overwritten). A mixture of experts runs every expert on every token while it calibrates, so that each gets a
-    Hessian however the router sends the calibration tokens (llm-compressor's moe_calibrate_all_experts)."""
+def shifted(name: str) -> bool:
+    """A norm whose weight the model holds as 1 + w where the model has such norms (Gemma, Qwen3.5); a DeltaNet's
+    gated norm scales by w itself."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+
+
+def empty_block(
+    args: ModelArgs, device: torch.device, layer: int = 0, *, deltanet: bool = False
+) -> TransformerBlock:
+    """A float32 decoder block on `device` for layer `layer`'s kind, reused for every layer of that kind (no random
+    init of weights that get overwritten). A mixture of experts runs every expert on every token while it
+    calibrates, so that each gets a Hessian however the router sends the calibration tokens (llm-compressor's
+    moe_calibrate_all_experts). `deltanet`: a DeltaNet block's own projections are quantized too."""
     with torch.device("meta"):
-        block = TransformerBlock(args, 0)
+        block = TransformerBlock(args, layer)
     if args.num_experts:
         block.mlp.calibrate_all = True
+    block.quantize_deltanet = deltanet and block.linear
     return block.to_empty(device=device).float().eval()
 
 

@@ -1,5 +1,9 @@
 """The calibration driver's per-layer step: quantize the linears of a decoder block in place (seven in a dense
-block; in a mixture of experts the four of attention and three per expert, the router left dense)."""
+block; in a mixture of experts the four of attention and three per expert (and the shared expert's), the router
+left dense). Qwen3.5's Gated DeltaNet layers have no attention linears: their MLP is quantized, and their own
+projections are left dense unless asked for (`QuantizeOptions.deltanet`, the `in_proj_qkv`, `in_proj_z` and
+`out_proj`; `in_proj_a` and `in_proj_b`, one output per value head, always stay dense), as the published Qwen3.5
+recipes keep them."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from quantserve.backends.torch.deltanet import QUANTIZABLE
 from quantserve.backends.torch.model import ModelArgs, Rope, TransformerBlock
 from quantserve.converters.calibration.awq import (
     apply_clip,
@@ -37,6 +42,8 @@ SAME_INPUT = {
     "self_attn.k_proj": "self_attn.q_proj",
     "self_attn.v_proj": "self_attn.q_proj",
     "mlp.up_proj": "mlp.gate_proj",
+    "mlp.shared_expert.up_proj": "mlp.shared_expert.gate_proj",
+    "linear_attn.in_proj_z": "linear_attn.in_proj_qkv",
 }
 # AutoAWQ does not clip q/k: small errors there are amplified by the attention softmax. Phi-3's fused q|k|v is
 # left unclipped for the same reason (AutoAWQ's name filter misses `qkv_proj` and clips it).
@@ -44,10 +51,13 @@ AWQ_NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.qkv_proj")
 EXPERT_LINEARS = ("gate_proj", "up_proj", "down_proj")
 # Phi-3's checkpoint fuses q|k|v and gate|up: four linears, each its own sequential group
 FUSED_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# A Gated DeltaNet's projections that may be quantized (with QuantizeOptions.deltanet), in sequential order
+DELTANET_LINEARS = tuple(f"linear_attn.{p}" for p in QUANTIZABLE)
+SHARED_EXPERT = tuple(f"mlp.shared_expert.{p}" for p in EXPERT_LINEARS)  # Qwen3.5-MoE
 
 
 def fused(block: nn.Module) -> bool:
-    return getattr(block.self_attn, "qkv_proj", None) is not None
+    return getattr(getattr(block, "self_attn", None), "qkv_proj", None) is not None
 
 
 def n_experts(block: nn.Module) -> int:
@@ -55,25 +65,38 @@ def n_experts(block: nn.Module) -> int:
     return len(experts) if experts is not None else 0
 
 
+def deltanet(block: nn.Module) -> bool:
+    return getattr(block, "linear", False)
+
+
+def mixer_linears(block: nn.Module) -> tuple[str, ...]:
+    """The quantized linears of the block's token mixer: attention's four, a DeltaNet's three when they are to
+    be quantized (empty_block's `quantize_deltanet`), or none."""
+    if deltanet(block):
+        return DELTANET_LINEARS if getattr(block, "quantize_deltanet", False) else ()
+    return LINEARS[:4]
+
+
 def block_linears(block: nn.Module) -> tuple[str, ...]:
     """The quantized linears of a block, in order (a router, `mlp.gate`, is not one of them)."""
     if fused(block):
         return FUSED_LINEARS
     if not n_experts(block):
-        return LINEARS
+        return mixer_linears(block) + LINEARS[4:]
     experts = tuple(f"mlp.experts.{e}.{p}" for e in range(n_experts(block)) for p in EXPERT_LINEARS)
-    return LINEARS[:4] + experts
+    return mixer_linears(block) + experts + (SHARED_EXPERT if block.mlp.shared else ())
 
 
 def sequential_groups(block: nn.Module) -> tuple[tuple[str, ...], ...]:
-    """SEQUENTIAL for the block: a MoE's experts go in two groups, every gate|up, then every down."""
+    """SEQUENTIAL for the block: q|k|v then o (a DeltaNet's qkv|z then out_proj), then the MLP's gate|up and its
+    down; a MoE's experts go in two groups, every gate|up (the shared expert's too), then every down."""
     if fused(block):
         return tuple((name,) for name in FUSED_LINEARS)
-    if not n_experts(block):
-        return SEQUENTIAL
-    experts = block_linears(block)[4:]
-    return (LINEARS[:3], LINEARS[3:4], tuple(n for n in experts if not n.endswith("down_proj")),
-            tuple(n for n in experts if n.endswith("down_proj")))  # fmt: skip
+    mixer = mixer_linears(block)
+    groups = (mixer[:-1], mixer[-1:]) if mixer else ()
+    mlp = block_linears(block)[len(mixer) :]
+    return groups + (tuple(n for n in mlp if not n.endswith("down_proj")),
+                     tuple(n for n in mlp if n.endswith("down_proj")))  # fmt: skip
 
 
 def same_input(name: str) -> str:
@@ -102,6 +125,7 @@ class QuantizeOptions:
     # Per-linear (bits, group_size) by full prefix (model.layers.28.mlp.down_proj): a mixed-precision recipe.
     overrides: tuple[tuple[str, tuple[int, int]], ...] = ()
     layer: int = 0  # the decoder layer being quantized (set by the driver)
+    deltanet: bool = False  # quantize the Gated DeltaNets' in_proj_qkv, in_proj_z and out_proj too (Qwen3.5)
 
     @property
     def calibrated(self) -> bool:
@@ -123,19 +147,28 @@ class QuantizeOptions:
             raise ConfigError(
                 f"need 0 < damp_percent <= 1 and batch_size >= 1; got {self.damp_percent}, {self.batch_size}"
             )
-        ff = args.moe_intermediate_size if args.num_experts else args.intermediate_size
-        for name, k in (
-            ("q/k/v/gate/up_proj", args.hidden_size),
-            ("o_proj", args.num_attention_heads * args.head_dim),
-            ("down_proj", ff),
-        ):
+        if self.deltanet and not args.deltanet:
+            raise ConfigError("--quantize-deltanet applies to models with Gated DeltaNet layers (Qwen3.5); "
+                              "this one has none")  # fmt: skip
+        for name, k in self._input_sizes(args).items():
             check_quant_args(k, self.bits, self.group_size, name)
         for prefix, (bits, group) in self.overrides:
             kind = prefix.rsplit(".", 1)[-1]
-            k = ff if kind == "down_proj" else (
-                args.num_attention_heads * args.head_dim if kind == "o_proj" else args.hidden_size
-            )  # fmt: skip
+            k = self._input_sizes(args).get(kind, args.hidden_size)
+            if "shared_expert." in prefix and kind == "down_proj":
+                k = args.shared_expert_size
             check_quant_args(k, bits, group, prefix)
+
+    def _input_sizes(self, args: ModelArgs) -> dict[str, int]:
+        """K of each kind of quantized linear (by its last name) that does not read the hidden state."""
+        sizes = {"q/k/v/gate/up_proj": args.hidden_size, "o_proj": args.num_attention_heads * args.head_dim,
+                 "down_proj": args.moe_intermediate_size if args.num_experts else args.intermediate_size}  # fmt: skip
+        if args.shared_expert_size:
+            sizes["shared_expert.down_proj"] = args.shared_expert_size
+        if self.deltanet:
+            _, n_v, _, d_v, _ = args.deltanet
+            sizes["out_proj"] = n_v * d_v
+        return sizes
 
 
 class _Stop(Exception):
@@ -231,16 +264,17 @@ def fold_awq_scales(
     gate/up · s_mlp (Gemma: pre_feedforward_layernorm, whose weight is held as 1 + w); up_proj rows / s_down with
     down_proj · s_down.
     """
+    fold_scales([*attention_folds(block, s_qkv, s_o), *mlp_folds(block, s_mlp, s_down)])
+
+
+def mlp_folds(block: TransformerBlock, s_mlp: torch.Tensor, s_down: torch.Tensor) -> list[Fold]:
     mlp = block.mlp
     # Gemma's MLP reads its own norm; its post-attention one normalises attention's output instead
     mlp_norm = block.pre_feedforward_layernorm if block.sandwich else block.post_attention_layernorm
-    fold_scales(
-        [
-            *attention_folds(block, s_qkv, s_o),
-            (mlp_norm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
-            (mlp.up_proj, None, [mlp.down_proj], s_down),
-        ]
-    )
+    return [
+        (mlp_norm, None, [mlp.gate_proj, mlp.up_proj], s_mlp),
+        (mlp.up_proj, None, [mlp.down_proj], s_down),
+    ]
 
 
 Fold = tuple[nn.Module, torch.Tensor | None, list[nn.Module], torch.Tensor]  # (prev op, its bias, linears, s)
@@ -293,6 +327,41 @@ def attention_scales(
     return s_qkv, search(x_o, [attn.o_proj.weight], linear_fn)
 
 
+def mixer_hooks(block: TransformerBlock) -> tuple[str, ...]:
+    """The linears whose inputs the token mixer's AWQ scales are searched on: the first (the normed hidden state)
+    and the last (o_proj, out_proj); none for a DeltaNet left dense."""
+    names = mixer_linears(block)
+    return (names[0], names[-1]) if names else ()
+
+
+def mixer_scales(block: TransformerBlock, feats: dict, rope, search) -> tuple[list[Fold], dict]:
+    """AWQ's scales for the token mixer, from the inputs captured at mixer_hooks (taken out of `feats`): the folds
+    to apply, and each quantized linear's (input, scale or None).
+
+    A DeltaNet's in_proj_qkv and in_proj_z share one scale, searched against the layer's output; in_proj_a and
+    in_proj_b read the same normed input, so their columns take it too (they stay dense: exact). out_proj is not
+    scaled: it reads the gated norm, whose weight is one per head dimension, shared by every head, with no
+    per-channel place to fold a scale into."""
+    names = mixer_linears(block)
+    if not names:
+        return [], {}
+    x_in, x_out = (torch.cat(feats.pop(n)) for n in mixer_hooks(block))
+    if not deltanet(block):
+        s_qkv, s_o = attention_scales(block, x_in, x_out, rope, search)
+        inputs = {n: (x_in, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_out, s_o)}
+        return attention_folds(block, s_qkv, s_o), inputs
+    dn = block.linear_attn
+
+    def deltanet_fn(x: torch.Tensor, ws) -> torch.Tensor:
+        return functional_call(dn, {"in_proj_qkv.weight": ws[0], "in_proj_z.weight": ws[1]}, (x,))
+
+    s_in = search(x_in, [dn.in_proj_qkv.weight, dn.in_proj_z.weight], deltanet_fn)
+    folds: list[Fold] = [
+        (block.input_layernorm, None, [dn.in_proj_qkv, dn.in_proj_z, dn.in_proj_a, dn.in_proj_b], s_in)
+    ]
+    return folds, {names[0]: (x_in, s_in), names[1]: (x_in, s_in), names[2]: (x_out, None)}
+
+
 def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions) -> dict:
     """AWQ's scale search for the block's four input groups, folded into the block in place (its function is
     unchanged until the weights are rounded). Returns, per linear, (its captured input, the scale that
@@ -309,19 +378,18 @@ def awq_scale_block(block: TransformerBlock, hidden, rope, opt: QuantizeOptions)
         return awq_scale_fused_block(block, hidden, rope, opt)
     mlp = block.mlp
     feats: dict[str, list[torch.Tensor]] = {}
-    hooked = ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")
+    hooked = (*mixer_hooks(block), "mlp.gate_proj", "mlp.down_proj")
     capture(block, hidden, rope, hooked, lambda n, x: feats.setdefault(n, []).append(x), opt.batch_size)
-    x_qkv, x_o, x_mlp, x_down = (torch.cat(feats.pop(n)) for n in hooked)
+    x_mlp, x_down = (torch.cat(feats.pop(n)) for n in hooked[-2:])
 
     def mlp_fn(x: torch.Tensor, ws) -> torch.Tensor:
         return functional_call(mlp, {"gate_proj.weight": ws[0], "up_proj.weight": ws[1]}, (x,))
 
     search = scale_searcher(opt)
-    s_qkv, s_o = attention_scales(block, x_qkv, x_o, rope, search)
+    folds, inputs = mixer_scales(block, feats, rope, search)
     s_mlp = search(x_mlp, [mlp.gate_proj.weight, mlp.up_proj.weight], mlp_fn)
     s_down = search(x_down, [mlp.down_proj.weight], linear_fn)
-    fold_awq_scales(block, s_qkv, s_o, s_mlp, s_down)
-    inputs = {n: (x_qkv, s_qkv) for n in LINEARS[:3]} | {"self_attn.o_proj": (x_o, s_o)}
+    fold_scales([*folds, *mlp_folds(block, s_mlp, s_down)])
     return inputs | {
         "mlp.gate_proj": (x_mlp, s_mlp),
         "mlp.up_proj": (x_mlp, s_mlp),

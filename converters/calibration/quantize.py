@@ -60,6 +60,7 @@ def quantize_checkpoint(
     force: bool = False,
     progress: bool = True,
     calib_tokens: torch.Tensor | None = None,
+    deltanet: bool = False,
 ) -> QuantizeReport:
     """Quantize the dense checkpoint `src` with `method` and write it to `dst` in `fmt`.
 
@@ -74,6 +75,8 @@ def quantize_checkpoint(
     (sources.calibration_set). calib_tokens: ready-made int64 [n, T] ids, overriding both (benchmarks).
     bits_budget: raise the linears whose rounding costs the most KL per bit to 8 bits until the quantized
     linears average this many bits per weight (recipes.py); the format must state per-module bits (gptq).
+    deltanet: quantize Qwen3.5's Gated DeltaNet projections too (in_proj_qkv, in_proj_z, out_proj); by default
+    they stay in the checkpoint's dtype, as the published Qwen3.5 recipes keep them.
 
     Raises:
         ConfigError: an unknown method or format, a group size that does not divide a layer's K, options a
@@ -110,16 +113,19 @@ def quantize_checkpoint(
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
-    if (kind := (spec.config or {}).get("model_type")) in ("gpt_oss", "qwen3_5_text"):
-        why = "its experts are not linears, and they ship as MXFP4 already" if kind == "gpt_oss" else (
-            "its calibration does not run DeltaNet layers yet")  # fmt: skip
+    if (spec.config or {}).get("model_type") == "gpt_oss":
         raise UnsupportedFormatError(
-            f"{src} is {'gpt-oss' if kind == 'gpt_oss' else 'Qwen3.5'}, which `convert --quant {method}` does not "
-            f"quantize yet ({why}); serve it as it is with --backend torch (or --quant int4 at load)"
+            f"{src} is gpt-oss, which `convert --quant {method}` does not quantize (its experts are not linears, "
+            "and they ship as MXFP4 already); serve it as it is with --backend torch, or convert it to GGUF"
         )
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs
 
+        if ModelArgs.from_hf_config(spec.config).deltanet:
+            raise ConfigError(
+                f"--bits-budget's sensitivity pass does not run {src}'s Gated DeltaNet layers yet; drop it",
+                param="bits_budget",
+            )
         shapes = linear_shapes(ModelArgs.from_hf_config(spec.config)).values()
         base = sum(linear_bpw(n, k, bits, group_size) * n * k for n, k in shapes) / sum(
             n * k for n, k in shapes
@@ -155,6 +161,7 @@ def quantize_checkpoint(
     stream = quantize_model(
         src, method, bits, group_size, sym, act_order != "off", tokens if method != "rtn" else None,
         damp_percent=damp_percent, static_groups=act_order == "static", overrides=overrides, progress=progress,
+        deltanet=deltanet,
     )  # fmt: skip
     dense: list[tuple[str, torch.Tensor]] = []
     losses: list[float] = []
@@ -178,7 +185,7 @@ def quantize_checkpoint(
         yield from dense
 
     options = WriteOptions(
-        modules_to_not_convert=_other_linears(spec),
+        modules_to_not_convert=_other_linears(spec) + _dense_deltanet(spec, deltanet),
         damp_percent=damp_percent if "gptq" in method else None,
         quantizer=f"quantserve:{method}",
         force=force,
@@ -212,6 +219,19 @@ def _other_linears(spec: ModelSpec) -> tuple[str, ...]:
             if len(t.shape) == 2 and t.name.endswith(".weight") and "language_model." not in t.name
         )
     )
+
+
+def _dense_deltanet(spec: ModelSpec, quantized: bool) -> tuple[str, ...]:
+    """The Gated DeltaNet linears written dense (all of them, or in_proj_a and in_proj_b when the rest are
+    quantized), named in the quantization config so that no loader looks for their quantized tensors."""
+    from quantserve.converters.calibration.layers import DELTANET_LINEARS
+
+    names = [t for f in spec.files for t in read_safetensors_header(f).tensors.values()]
+    return tuple(sorted(
+        t.name.removesuffix(".weight") for t in names
+        if len(t.shape) == 2 and ".linear_attn." in t.name and t.name.endswith(".weight")
+        and not (quantized and t.name.removesuffix(".weight").endswith(DELTANET_LINEARS))
+    ))  # fmt: skip
 
 
 def _target(fmt: str) -> type[QuantScheme]:

@@ -69,6 +69,9 @@ def _size(path: Path) -> str:
     default=None,
     help="gptq/awq: tokens per sequence [default: 512].",
 )
+@click.option("--quantize-deltanet", is_flag=True,
+              help="gptq/awq/rtn on Qwen3.5: quantize the Gated DeltaNet layers' in_proj_qkv, in_proj_z and out_proj "
+              "too. By default they stay in the checkpoint's dtype, as the published Qwen3.5 recipes keep them.")  # fmt: skip
 @click.option("--damp-percent", type=float, default=0.01, show_default=True,
               help="gptq: dampening added to the Hessian's diagonal, as a fraction of its mean.")  # fmt: skip
 @click.option(
@@ -111,7 +114,7 @@ def _size(path: Path) -> str:
               "table instead.")  # fmt: skip
 def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str, group_size: int, act_order: str | None,
             sym: bool | None, calib: str | None, calib_dataset: str | None, bits_budget: float | None, seed: int,
-            calib_samples: int | None, calib_seq_len: int | None, damp_percent: float, dtype: str | None, imatrix: Path | None, mmproj_type: str | None,
+            calib_samples: int | None, calib_seq_len: int | None, quantize_deltanet: bool, damp_percent: float, dtype: str | None, imatrix: Path | None, mmproj_type: str | None,
             threads: int | None, force: bool, check: bool, check_text: Path | None,
             summary: bool) -> None:  # fmt: skip
     """Convert between GGUF, dense HF and quantized HF (GPTQ, AWQ, compressed-tensors, Marlin) checkpoints.
@@ -138,13 +141,15 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
         src_fmt = spec.format
         llava = src_fmt == "safetensors" and is_llava(spec.config)
         _fail_if(mmproj_type and not llava, "--mmproj-type applies to LLaVA checkpoints (HF -> GGUF) only")
+        _fail_if(quantize_deltanet and quant not in QUANT_METHODS,
+                 f"--quantize-deltanet applies to --quant {'|'.join(QUANT_METHODS)}")  # fmt: skip
         if quant in QUANT_METHODS or (fmt and not quant) or calib or calib_dataset:
             require_torch(f"--quant {quant}" if quant in QUANT_METHODS else "--format" if fmt else "--calib")
         if quant in QUANT_METHODS or (fmt and not quant):
             _fail_if(dtype or imatrix, "--dtype and --imatrix do not apply to GPTQ/AWQ/RTN output")
             calibration = _Calibration(calib, calib_dataset, calib_samples, calib_seq_len, seed, bits_budget)
             click.echo(_to_quantized_hf(src, dst, src_fmt, quant, fmt, int(bits), group_size, act_order, sym,
-                                        calibration, damp_percent, force))  # fmt: skip
+                                        calibration, damp_percent, force, quantize_deltanet))  # fmt: skip
             if check:
                 click.echo(_check(src, dst, check_text, threads))
             elif summary and quant:
@@ -229,7 +234,7 @@ class _Calibration:
 
 def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt: str | None, bits: int,
                      group_size: int, act_order: str | None, sym: bool | None, c: _Calibration,
-                     damp_percent: float, force: bool) -> str:  # fmt: skip
+                     damp_percent: float, force: bool, deltanet: bool = False) -> str:  # fmt: skip
     from quantserve.converters.calibration.quantize import quantize_checkpoint, repack_checkpoint
 
     if quant is None:  # --format alone: repack an already-quantized checkpoint
@@ -250,7 +255,7 @@ def _to_quantized_hf(src: Path, dst: Path, src_fmt: str, quant: str | None, fmt:
     r = quantize_checkpoint(
         src, dst, quant, fmt=fmt, bits=bits, group_size=group_size, sym=sym, act_order=act_order, calib=c.calib,
         calib_dataset=c.dataset, n_samples=c.samples, seq_len=c.seq_len, damp_percent=damp_percent,
-        bits_budget=c.bits_budget, seed=c.seed, force=force,
+        bits_budget=c.bits_budget, seed=c.seed, force=force, deltanet=deltanet,
     )  # fmt: skip
     loss = f", mean GPTQ loss {r.mean_loss:.4g}" if r.mean_loss is not None else ""
     mixed = f", {len(r.overrides)} linears at 8 bits" if r.overrides else ""

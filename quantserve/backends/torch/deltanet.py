@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 CHUNK = 64
+# The projections a checkpoint may quantize (W4A16): in_proj_a and in_proj_b give one output per value head, too
+# few for the kernels' tiles, and stay dense with the conv, A_log, dt_bias and the norm.
+QUANTIZABLE = ("in_proj_qkv", "in_proj_z", "out_proj")
 
 
 def delta_rule_recurrent(

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from quantserve.backends.torch import llava
 from quantserve.backends.torch.archs import LOAD_QUANTS
+from quantserve.backends.torch.deltanet import QUANTIZABLE
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
 from quantserve.backends.torch.tp_shard import Shards, TensorParallel, local_args
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
@@ -219,11 +220,11 @@ def load_model(
                     f"{spec.path} quantizes linears outside the language model ({outside[0]}, …), which the torch "
                     "backend runs in full precision only; quantize the language model alone"
                 )
-            if deltanet := [p for p in prefixes if ".linear_attn." in p]:
+            if narrow := [p for p in prefixes if ".linear_attn." in p and not p.endswith(QUANTIZABLE)]:
                 raise UnsupportedFormatError(
-                    f"{spec.path} quantizes the Gated DeltaNet projections ({deltanet[0]}, …), which the torch backend "
-                    "runs in full precision only (as the published Qwen3.5 recipes keep them); quantize the attention "
-                    "and MLP linears alone"
+                    f"{spec.path} quantizes a Gated DeltaNet's {narrow[0].rsplit('.', 1)[-1]} ({narrow[0]}), one output "
+                    "per value head, which the torch backend runs in full precision only; quantize the DeltaNet's "
+                    f"{', '.join(QUANTIZABLE)} alone (quantserve convert --quantize-deltanet does)"
                 )
             if vision := [p for p in prefixes if llava.is_vision(p)]:
                 raise UnsupportedFormatError(
