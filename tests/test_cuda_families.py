@@ -52,6 +52,29 @@ def test_paged_decode_with_sinks(dtype, window):
     assert torch.allclose(out.double(), ref, atol=tol, rtol=tol), (out.double() - ref).abs().max()
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_deltanet_decode_kernel_at_qwen35_sizes(batch):
+    """kernels/deltanet.py compiled for the GPU against the recurrent rule in fp32: Qwen3.5's 16 key heads, 32
+    value heads of 128 x 128, slots out of order."""
+    from quantserve.backends.torch.deltanet import delta_rule_recurrent
+    from quantserve.kernels.deltanet import decode_step
+
+    gen = torch.Generator().manual_seed(batch)
+    n_k, n_v, d = 16, 32, 128
+    q = torch.nn.functional.normalize(torch.randn(batch, n_k, d, generator=gen), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(torch.randn(batch, n_k, d, generator=gen), dim=-1)
+    v = torch.randn(batch, n_v, d, generator=gen)
+    g, beta = -2 * torch.rand(batch, n_v, generator=gen), torch.rand(batch, n_v, generator=gen)
+    state = torch.randn(batch + 2, n_v, d, d, generator=gen)
+    slots = torch.randperm(batch + 2, generator=gen)[:batch]
+    want, new = delta_rule_recurrent(q[:, None].repeat_interleave(2, 2), k[:, None].repeat_interleave(2, 2),
+                                     v[:, None], g[:, None], beta[:, None], state[slots])  # fmt: skip
+    on = state.to(GPU)
+    got = decode_step(q.to(GPU), k.to(GPU), v.to(GPU), g.to(GPU), beta.to(GPU), on, slots.to(GPU)).cpu()
+    assert (got - want[:, 0]).abs().max() < 1e-4 * want.abs().max()
+    assert (on[slots.to(GPU)].cpu() - new).abs().max() < 1e-4 * new.abs().max()
+
+
 def check_model(src, device: torch.device) -> None:
     """bf16 on `device`: the prompt's logits against the same model in bf16 on the CPU (the same arithmetic, other
     kernels) and, loosely, in fp32 (a random model in bf16 drifts by a few percent); then the engine's paged path,

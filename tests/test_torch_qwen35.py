@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import triton  # noqa: F401 - before any test sets TRITON_INTERPRET (see test_w4a16_kernels.py)
 
 from quantserve.backends.torch.args import ModelArgs
 from quantserve.backends.torch.deltanet import delta_rule_chunked, delta_rule_recurrent
@@ -151,6 +152,51 @@ def test_batched_chunked_greedy_equals_transformers_alone(kind, checkpoints):
     assert engine.kv.num_used == 0 and sorted(engine.kv.free_states) == [0, 1, 2, 3]
     alone, _ = make_engine((model, tok), max_num_seqs=1, kv_tokens=1024, n_batch=14)
     assert _together(alone, [LONG], 10) == [want[1]]  # 41 tokens in 3 chunks: 14, 14, 13, the state carried
+
+
+@pytest.mark.parametrize(("n_k", "n_v", "d_k", "d_v"), [(2, 4, 16, 16), (1, 3, 24, 40)])
+def test_the_triton_decode_step_equals_the_recurrent_rule(n_k, n_v, d_k, d_v, monkeypatch):
+    """kernels/deltanet.py under the interpreter: each decoding sequence's state updated in its own slot (slots out
+    of order, others untouched; key heads shared by groups of value heads; sizes that are not powers of two)."""
+    from quantserve.kernels.deltanet import decode_step
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(d_v)
+    b, slots = 3, torch.tensor([4, 0, 2])
+    q = torch.nn.functional.normalize(torch.randn(b, n_k, d_k, generator=gen), dim=-1) * d_k**-0.5
+    k = torch.nn.functional.normalize(torch.randn(b, n_k, d_k, generator=gen), dim=-1)
+    v = torch.randn(b, n_v, d_v, generator=gen)
+    g, beta = -2 * torch.rand(b, n_v, generator=gen), torch.rand(b, n_v, generator=gen)
+    state = torch.randn(5, n_v, d_k, d_v, generator=gen)
+    before = state.clone()
+    rep = n_v // n_k
+    want, new = delta_rule_recurrent(q[:, None].repeat_interleave(rep, 2), k[:, None].repeat_interleave(rep, 2),
+                                     v[:, None], g[:, None], beta[:, None], before[slots])  # fmt: skip
+    got = decode_step(q, k, v, g, beta, state, slots)
+    assert (got - want[:, 0]).abs().max() < 1e-5 * want.abs().max()
+    assert (state[slots] - new).abs().max() < 1e-5 * new.abs().max()
+    assert torch.equal(state[[1, 3]], before[[1, 3]])
+
+
+def test_decoding_through_the_triton_kernels_gives_transformers_tokens(checkpoints, monkeypatch):
+    """The engine as it runs on CUDA (the DeltaNet decode kernel, paged attention and the fused kernels), here
+    under the interpreter: 4 prompts batched, the greedy tokens equal transformers'."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    checkpoint = checkpoints["moe"]
+    model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
+    ref = _reference(checkpoint)
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p) :].tolist()
+            for p in PROMPTS]  # fmt: skip
+    engine, runner = make_engine((model, HFTokenizer.from_dir(checkpoint)), max_num_seqs=4, kv_tokens=1024,
+                                 n_batch=64)  # fmt: skip
+    assert runner.paged_kernel and model.model.layers[0].linear_attn.triton_ops
+    from quantserve.backends.torch import deltanet
+
+    calls = []
+    step = deltanet.kernel.decode_step
+    monkeypatch.setattr(deltanet.kernel, "decode_step", lambda *a: calls.append(a[0].shape[0]) or step(*a))
+    assert _together(engine, PROMPTS, 6) == want
+    assert max(calls) == 4  # the four sequences decoded together, through the kernel
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

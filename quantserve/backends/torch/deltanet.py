@@ -19,7 +19,8 @@ Two exact forms of the rule, in fp32 as transformers computes it:
   with G the cumulative log decay, A[t, i] = beta_t exp(G_t - G_i) k_t . k_i (i < t) and T = (I + A)^-1, the
   corrected values are U = T (beta V) - T (beta exp(G) K) S0; then O = exp(G) Q S0 + (Q K^T o exp(G_t - G_i))_{i<=t}
   U and S = exp(G_last) S0 + (K exp(G_last - G))^T U. Prefill, whole sequences, and chunks of a prompt carry S over.
-No Triton kernels yet: on CUDA these run as PyTorch ops.
+On CUDA (and in tests under TRITON_INTERPRET=1) a decoding step runs as one Triton kernel over every decoding
+sequence's state in place (kernels/deltanet.py, `triton_ops`); prefill runs the chunked form as PyTorch ops.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantserve.kernels import deltanet as kernel
 
 CHUNK = 64
 # The projections a checkpoint may quantize (W4A16): in_proj_a and in_proj_b give one output per value head, too
@@ -145,6 +148,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(d_v, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.state: RecurrentState | None = None  # set by the runner for serving
+        self.triton_ops = False  # decoding steps in kernels/deltanet.py: set by Transformer.use_fused_kernels
 
     def forward(self, x: torch.Tensor, step=None) -> torch.Tensor:
         """x [B, T, D] (whole sequences from a zero state) or [T, D] with the engine's `step` (backends/torch/step.py
@@ -161,22 +165,27 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(*lead, self.n_v, self.d_v)
         return self.out_proj(self.norm(o, z).reshape(*lead, self.value_dim))
 
+    def _inputs(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rule's fp32 inputs from mixed [B, T, conv_dim] (after the conv) and the b, a projections: q, k
+        [B, T, H_k, d_k] (normalised, q scaled), v [B, T, H_v, d_v], g and beta [B, T, H_v]."""
+        bsz, t, _ = mixed.shape
+        q, k, v = mixed.float().split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = _l2norm(q.view(bsz, t, self.n_k, self.d_k)) * self.d_k**-0.5
+        k = _l2norm(k.view(bsz, t, self.n_k, self.d_k))
+        beta = b.sigmoid().float()  # in the projection's dtype, then widened, as transformers and fla do
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v.view(bsz, t, self.n_v, self.d_v), g, beta
+
     def _rule(
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The delta rule over mixed [B, T, conv_dim] (after the conv) from `state` [B, H_v, d_k, d_v] ->
         (o [B, T, H_v, d_v] in the input's dtype, the new state)."""
-        bsz, t, _ = mixed.shape
-        q, k, v = mixed.float().split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = _l2norm(q.view(bsz, t, self.n_k, self.d_k)) * self.d_k**-0.5
-        k = _l2norm(k.view(bsz, t, self.n_k, self.d_k))
+        q, k, v, g, beta = self._inputs(mixed, b, a)
         if self.n_v != self.n_k:
             q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
-        v = v.view(bsz, t, self.n_v, self.d_v)
-        beta = b.sigmoid().float()  # in the projection's dtype, then widened, as transformers and fla do
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        rule = delta_rule_recurrent if t == 1 else delta_rule_chunked
+        rule = delta_rule_recurrent if mixed.shape[1] == 1 else delta_rule_chunked
         o, state = rule(q, k, v, g, beta, state)
         return o.to(mixed.dtype), state
 
@@ -204,9 +213,14 @@ class GatedDeltaNet(nn.Module):
             mixed = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.conv_dim)).transpose(
                 1, 2
             )  # [B, 1, C]
-            o, new = self._rule(mixed.to(x.dtype), b[rows, None], a[rows, None], st.ssm[slots])
-            st.ssm[slots] = new
-            out[rows] = o[:, 0]
+            if self.triton_ops:  # one kernel, each state updated in its slot
+                q, k, v, g, beta = self._inputs(mixed.to(x.dtype), b[rows, None], a[rows, None])
+                o = kernel.decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], st.ssm, slots)
+                out[rows] = o.to(x.dtype)
+            else:
+                o, new = self._rule(mixed.to(x.dtype), b[rows, None], a[rows, None], st.ssm[slots])
+                st.ssm[slots] = new
+                out[rows] = o[:, 0]
         for first, n, slot, _ in step.recurrent:
             if n == 1:
                 continue

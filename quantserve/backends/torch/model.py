@@ -319,10 +319,11 @@ class Transformer(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def use_fused_kernels(self, on: bool) -> None:
-        """Run norms, rotary + KV write and silu * up as the Triton kernels of kernels/fused.py (CUDA, or the
-        interpreter in tests), or as PyTorch ops: the same arithmetic either way."""
+        """Run norms, rotary + KV write and silu * up as the Triton kernels of kernels/fused.py, and a DeltaNet's
+        decoding step as kernels/deltanet.py's (CUDA, or the interpreter in tests), or as PyTorch ops: the same
+        arithmetic either way."""
         for m in self.modules():
-            if isinstance(m, RMSNorm | Attention | MLP):
+            if isinstance(m, RMSNorm | Attention | MLP | GatedDeltaNet):
                 m.triton_ops = on
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
