@@ -261,8 +261,10 @@ def test_bad_input_is_named_and_nothing_half_loads(checkpoint, tmp_path):
     from quantserve.backends.torch.tp_shard import local_args
     from quantserve.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="Qwen3.5 does not run split"):
-        local_args(ModelArgs.from_hf_config(config), 2)
+    with pytest.raises(
+        ConfigError, match=r"1 DeltaNet key heads \(linear_num_key_heads\) do not split evenly over 2"
+    ):
+        local_args(ModelArgs.from_hf_config({**config, "linear_num_key_heads": 1}), 2)
 
 
 def test_the_runner_logs_the_state_and_why_prefix_caching_is_off(checkpoint, caplog):

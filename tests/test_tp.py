@@ -80,7 +80,8 @@ def compare(path, **options):
     results = {}
     for world in (1, 2):
         runner = load(path, world, **options)
-        attn = getattr(runner, "inner", runner).model.model.layers[0].self_attn
+        layers = getattr(runner, "inner", runner).model.model.layers
+        attn = next(x for x in layers if not x.linear).self_attn  # (Qwen3.5's first layers are DeltaNets)
         assert (attn.n_heads, attn.n_kv) == (
             8 // world,
             4 // world,
@@ -121,6 +122,42 @@ def test_qwen3_moe(smollm2_hf, tmp_path):
         moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
     )  # fmt: skip
     compare(_save(transformers.Qwen3MoeForCausalLM(config), tmp_path / "moe", smollm2_hf))
+
+
+@pytest.mark.parametrize("kind", ["dense-gptq", "moe"])
+def test_qwen35(kind, smollm2_hf, tmp_path):
+    """Qwen3.5's Gated DeltaNets split by heads (each rank keeps its heads' part of every recurrent state), its gated
+    attention by heads, and the MoE's shared expert like the others: dense as a GPTQ checkpoint (DeltaNets kept
+    dense), and MoE. Three DeltaNet layers and one attention layer, 2 key and 4 value heads."""
+    base = {k: v for k, v in SIZES.items() if k not in ("num_hidden_layers", "intermediate_size")}
+    linear = dict(num_hidden_layers=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
+                  linear_num_value_heads=4)  # fmt: skip
+    torch.manual_seed(0)
+    if kind == "moe":
+        config = transformers.Qwen3_5MoeTextConfig(**base, **linear, moe_intermediate_size=128, num_experts=4,
+                                                   num_experts_per_tok=2, shared_expert_intermediate_size=128)  # fmt: skip
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(
+            transformers.Qwen3_5TextConfig(**base, **linear, intermediate_size=512)
+        )
+    with torch.no_grad():  # as test_torch_qwen35: decays and gates that matter
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.uniform_(-1, 1)
+            elif name.endswith("dt_bias"):
+                p.uniform_(0, 1)
+    src = _save(model, tmp_path / kind, smollm2_hf)
+    if kind == "moe":
+        compare(src)
+        return
+    from quantserve.converters.calibration.quantize import quantize_checkpoint
+
+    tokens = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(0))
+    quantize_checkpoint(src, tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / name, tmp_path / "q" / name)
+    compare(tmp_path / "q")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "mixtral"])

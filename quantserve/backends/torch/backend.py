@@ -197,10 +197,15 @@ def _split_step(spec: ModelSpec, n: int, device: str, llava: bool) -> str:
     a = ModelArgs.from_hf_config(dict(spec.config or {}))
     local_args(a, n)
     how = "NCCL, one GPU each" if device == "cuda" else "gloo, one process each"
+    linear = (
+        f", {a.deltanet[1] // n} of {a.deltanet[1]} DeltaNet value heads (and 1/{n} of each recurrent state)"
+        if a.deltanet
+        else ""
+    )
     return (
         f"split over {n} ranks (tensor parallel, {how}): each holds {a.num_attention_heads // n} of "
         f"{a.num_attention_heads} attention heads and {a.num_key_value_heads // n} of {a.num_key_value_heads} KV heads "
-        f"(1/{n} of the KV cache below), 1/{n} of the MLP rows and of the vocabulary"
+        f"(1/{n} of the KV cache below){linear}, 1/{n} of the MLP rows and of the vocabulary"
     )
 
 

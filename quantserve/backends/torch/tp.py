@@ -61,16 +61,19 @@ class _Seq:
     num_computed: int
     block_table: list[int]
     images: tuple = ()
-    state_slot: int = -1  # (models with recurrent state do not run split)
+    state_slot: int = (
+        -1
+    )  # Qwen3.5: the sequence's recurrent-state slot (each rank keeps its heads' part of it)
 
 
 def encode_plan(plan: list[tuple[Any, int]], block_size: int) -> torch.Tensor:
-    """[n, then per sequence: start, n, length, blocks, its n tokens, its blocks] as int64."""
+    """[n, then per sequence: start, n, length, state slot, blocks, its n tokens, its blocks] as int64."""
     out = [len(plan)]
     for seq, n in plan:
         start = seq.num_computed
         blocks = seq.block_table[: -(-(start + n) // block_size)]
-        out += [start, n, len(seq.tokens), len(blocks), *seq.tokens[start : start + n], *blocks]
+        slot = getattr(seq, "state_slot", -1)
+        out += [start, n, len(seq.tokens), slot, len(blocks), *seq.tokens[start : start + n], *blocks]
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -78,12 +81,12 @@ def decode_plan(t: torch.Tensor) -> list[tuple[_Seq, int]]:
     v = t.tolist()
     plan, i = [], 1
     for _ in range(v[0]):
-        start, n, length, nb = v[i : i + 4]
-        i += 4
+        start, n, length, slot, nb = v[i : i + 5]
+        i += 5
         tokens = [0] * length
         tokens[start : start + n] = v[i : i + n]
         i += n
-        plan.append((_Seq(tokens, start, v[i : i + nb]), n))
+        plan.append((_Seq(tokens, start, v[i : i + nb], state_slot=slot), n))
         i += nb
     return plan
 

@@ -2,9 +2,14 @@
 (the gpt-fast / vLLM / Megatron layout).
 
 - Column parallel (each rank computes some outputs): q/k/v by heads, gate/up by rows of the MLP, and the same in
-  every expert of a mixture. Fused ones (Phi-3's qkv_proj and gate_up_proj) split each part apart.
-- Row parallel (each rank reads some inputs, and the outputs are partial sums): o_proj and down_proj. One
-  all-reduce after attention and one after the MLP joins them (TransformerBlock._sum).
+  every expert of a mixture (and Qwen3.5-MoE's shared expert). Fused ones (Phi-3's qkv_proj and gate_up_proj)
+  split each part apart.
+- A Gated DeltaNet (Qwen3.5) splits by heads: each rank keeps its share of the key heads and of the value heads
+  (those that read them), so in_proj_qkv and the conv split their q, k and v parts apart; in_proj_z, in_proj_a,
+  in_proj_b, A_log and dt_bias by value heads; each rank keeps its heads' recurrent state. Its gated norm (one
+  weight per head dimension) is replicated, and its out_proj is row parallel.
+- Row parallel (each rank reads some inputs, and the outputs are partial sums): o_proj, down_proj and a DeltaNet's
+  out_proj. One all-reduce after the token mixer and one after the MLP joins them (TransformerBlock._sum).
 - Vocab parallel: each rank holds ceil(V / N) rows of the embedding and the output layer (the last padded). A
   token's embedding comes from the rank that holds its row (the others add zeros); the logits are gathered.
 - Everything else (norms, the MoE router, q/k norms) is replicated.
@@ -27,9 +32,11 @@ from torch import nn
 
 from quantserve.errors import ConfigError
 
-COLUMN = (".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj")
-FUSED = (".qkv_proj", ".gate_up_proj")
-ROW = (".o_proj", ".down_proj")
+COLUMN = (".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj", ".linear_attn.in_proj_z",
+          ".linear_attn.in_proj_a", ".linear_attn.in_proj_b")  # fmt: skip
+FUSED = (".qkv_proj", ".gate_up_proj", ".linear_attn.in_proj_qkv", ".linear_attn.conv1d")
+ROW = (".o_proj", ".down_proj", ".linear_attn.out_proj")
+HEADS = (".linear_attn.A_log", ".linear_attn.dt_bias")  # one value per value head
 VOCAB = ("model.embed_tokens", "lm_head")
 
 
@@ -78,11 +85,10 @@ def local_args(args, world: int):
     Raises:
         ConfigError: a dimension that does not split evenly over `world` ranks, named.
     """
-    if args.attn_sinks or args.swiglu or args.deltanet:
-        family = "gpt-oss" if args.swiglu else "Qwen3.5"
+    if args.attn_sinks or args.swiglu:
         raise ConfigError(
-            f"--tensor-parallel-size {world}: {family} does not run split yet (its attention sinks and biased "
-            "experts, or its DeltaNet layers, are not sharded); serve it on one GPU with --tensor-parallel-size 1",
+            f"--tensor-parallel-size {world}: gpt-oss does not run split yet (its attention sinks and biased "
+            "experts are not sharded); serve it on one GPU with --tensor-parallel-size 1",
             param="tensor_parallel_size",
         )
     checks = {
@@ -93,6 +99,13 @@ def local_args(args, world: int):
         checks["expert MLP rows (moe_intermediate_size)"] = args.moe_intermediate_size
     else:
         checks["MLP rows (intermediate_size)"] = args.intermediate_size
+    if args.shared_expert_size:
+        checks["shared expert MLP rows (shared_expert_intermediate_size)"] = args.shared_expert_size
+    deltanet = args.deltanet
+    if deltanet:
+        checks["DeltaNet key heads (linear_num_key_heads)"] = deltanet[0]
+        checks["DeltaNet value heads (linear_num_value_heads)"] = deltanet[1]
+        deltanet = (deltanet[0] // world, deltanet[1] // world, *deltanet[2:])
     for what, n in checks.items():
         if n % world:
             raise ConfigError(
@@ -106,6 +119,8 @@ def local_args(args, world: int):
         num_key_value_heads=args.num_key_value_heads // world,
         intermediate_size=args.intermediate_size // world if not args.num_experts else args.intermediate_size,
         moe_intermediate_size=args.moe_intermediate_size // world,
+        shared_expert_size=args.shared_expert_size // world,
+        deltanet=deltanet,
     )
 
 
@@ -122,6 +137,9 @@ class Shards:
             return [a.num_attention_heads * a.head_dim, *2 * [a.num_key_value_heads * a.head_dim]]
         if prefix.endswith(".gate_up_proj"):
             return [n // 2, n // 2]
+        if prefix.endswith((".linear_attn.in_proj_qkv", ".linear_attn.conv1d")):  # q, k, v side by side
+            n_k, n_v, d_k, d_v, _ = a.deltanet
+            return [n_k * d_k, n_k * d_k, n_v * d_v]
         return [n]
 
     def columns(self, prefix: str, n: int) -> torch.Tensor:
@@ -142,7 +160,7 @@ class Shards:
         a safetensors slice of it (`safe_open(...).get_slice(name)`), of which only this rank's rows or columns
         are then read."""
         prefix, _, leaf = name.rpartition(".")
-        kind = self.kind(prefix)
+        kind = "column" if name.endswith(HEADS) else self.kind(prefix)
         shape = tuple(t.get_shape()) if hasattr(t, "get_shape") else tuple(t.shape)
         if kind == "column":
             share = [(a, b) for a, b in self._ranges(prefix, shape[0])]
