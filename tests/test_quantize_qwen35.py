@@ -189,15 +189,3 @@ def test_what_a_hybrid_cannot_take_is_refused_before_any_work(sources, tmp_path)
             tmp_path / "llama", tmp_path / "b", "rtn", group_size=32, progress=False, deltanet=True
         )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
-
-
-def test_gpt_oss_is_still_refused_by_name(tmp_path):
-    import transformers
-
-    from tests.test_torch_gpt_oss import CONFIG
-
-    transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).save_pretrained(tmp_path / "oss")
-    with pytest.raises(
-        UnsupportedFormatError, match="is gpt-oss, which `convert --quant gptq` does not quantize"
-    ):
-        quantize_checkpoint(tmp_path / "oss", tmp_path / "out", "gptq", progress=False)

@@ -6,6 +6,7 @@ checkpoint and as released, with MXFP4 experts. transformers cannot load an MXFP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -213,8 +214,12 @@ def test_config_errors_are_named(checkpoints):
         ModelArgs.from_hf_config({**config, "quantization_config": {"quant_method": "gptq"}})
     from quantserve.backends.torch.tp_shard import local_args
 
-    with pytest.raises(ConfigError, match="gpt-oss does not run split"):
-        local_args(ModelArgs.from_hf_config(config), 2)
+    # 64 rows of down_proj input are 2 MXFP4 blocks: they do not split over 4 ranks (the heads would)
+    args = dataclasses.replace(
+        ModelArgs.from_hf_config({**config, "num_key_value_heads": 4}), packed_experts=True
+    )
+    with pytest.raises(ConfigError, match=r"2 MXFP4 blocks of 32 .* do not split evenly over 4 ranks"):
+        local_args(args, 4)
 
 
 def test_the_quantizers_refuse_it_by_name(checkpoints, tmp_path):

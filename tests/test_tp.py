@@ -4,6 +4,7 @@ caching on; dense, int4 at load, a GPTQ checkpoint, and a Qwen3-MoE. What cannot
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -158,6 +159,40 @@ def test_qwen35(kind, smollm2_hf, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(src / name, tmp_path / "q" / name)
     compare(tmp_path / "q")
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_gpt_oss(kind, smollm2_hf, tmp_path):
+    """gpt-oss: sinks with their heads, biases (o_proj's and each expert's down bias added once), windows shorter
+    than the prompts, the clamped SwiGLU experts split within each expert; as MXFP4, the blocks cut on whole
+    32-value blocks (down_proj's input: 128 / 2 = 64 per rank), never decoded at load."""
+    from safetensors.torch import load_file, save_file
+
+    from quantserve.kernels import mxfp4
+
+    base = {k: v for k, v in SIZES.items() if k not in ("intermediate_size", "tie_word_embeddings")}
+    config = transformers.GptOssConfig(**base, intermediate_size=128, sliding_window=8, num_local_experts=4,
+                                       num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "router.weight", "router.bias", "_bias")):
+                p.normal_(0, 1.0 if "router" in name or "sinks" in name else 0.1)
+    src = _save(model, tmp_path / "oss", smollm2_hf)
+    if kind == "mxfp4":  # the experts as released: MXFP4 blocks of [E, out, in]
+        tensors = {}
+        for name, t in load_file(src / "model.safetensors").items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                b, s = mxfp4.quantize(t.transpose(1, 2))
+                tensors |= {f"{name}_blocks": b, f"{name}_scales": s}
+            else:
+                tensors[name] = t
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+        (src / "config.json").write_text(json.dumps(cfg))
+    compare(src)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "phi3", "gemma2", "mixtral"])

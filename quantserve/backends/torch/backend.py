@@ -3,6 +3,7 @@ that carries it out: device and dtype, weights, the KV cache the plan sized."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -195,6 +196,8 @@ def _split_step(spec: ModelSpec, n: int, device: str, llava: bool) -> str:
             param="tensor_parallel_size",
         )
     a = ModelArgs.from_hf_config(dict(spec.config or {}))
+    if (spec.quant or {}).get("experts") == "mxfp4":  # (as load_model reads gpt-oss's experts)
+        a = dataclasses.replace(a, packed_experts=True)
     local_args(a, n)
     how = "NCCL, one GPU each" if device == "cuda" else "gloo, one process each"
     linear = (

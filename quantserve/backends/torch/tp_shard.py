@@ -8,6 +8,10 @@
   (those that read them), so in_proj_qkv and the conv split their q, k and v parts apart; in_proj_z, in_proj_a,
   in_proj_b, A_log and dt_bias by value heads; each rank keeps its heads' recurrent state. Its gated norm (one
   weight per head dimension) is replicated, and its out_proj is row parallel.
+- gpt-oss: the attention sinks go with their heads; the stacked experts split within each expert as the others,
+  gate|up by rows of the MLP (gate and up interleaved, so a contiguous share keeps each pair together) and down
+  along its input, on whole 32-value MXFP4 blocks when the experts ship as MXFP4 (the blocks and their scales cut,
+  never decoded). Each expert's down bias is added once, by rank 0.
 - Row parallel (each rank reads some inputs, and the outputs are partial sums): o_proj, down_proj and a DeltaNet's
   out_proj. One all-reduce after the token mixer and one after the MLP joins them (TransformerBlock._sum).
 - Vocab parallel: each rank holds ceil(V / N) rows of the embedding and the output layer (the last padded). A
@@ -36,7 +40,13 @@ COLUMN = (".q_proj", ".k_proj", ".v_proj", ".gate_proj", ".up_proj", ".linear_at
           ".linear_attn.in_proj_a", ".linear_attn.in_proj_b")  # fmt: skip
 FUSED = (".qkv_proj", ".gate_up_proj", ".linear_attn.in_proj_qkv", ".linear_attn.conv1d")
 ROW = (".o_proj", ".down_proj", ".linear_attn.out_proj")
-HEADS = (".linear_attn.A_log", ".linear_attn.dt_bias")  # one value per value head
+HEADS = (".linear_attn.A_log", ".linear_attn.dt_bias", ".self_attn.sinks")  # one value per (value) head
+# gpt-oss's stacked experts (backends/torch/gpt_oss.py) by parameter: the dimension that splits, and how
+OSS_EXPERTS = {
+    "gate_up_proj_blocks": (1, "column"), "gate_up_proj_scales": (1, "column"), "gate_up_proj_bias": (1, "column"),
+    "gate_up_proj": (2, "column"), "down_proj_blocks": (2, "row"), "down_proj_scales": (2, "row"),
+    "down_proj": (1, "row"), "down_proj_bias": (0, "once"),
+}  # fmt: skip
 VOCAB = ("model.embed_tokens", "lm_head")
 
 
@@ -85,12 +95,6 @@ def local_args(args, world: int):
     Raises:
         ConfigError: a dimension that does not split evenly over `world` ranks, named.
     """
-    if args.attn_sinks or args.swiglu:
-        raise ConfigError(
-            f"--tensor-parallel-size {world}: gpt-oss does not run split yet (its attention sinks and biased "
-            "experts are not sharded); serve it on one GPU with --tensor-parallel-size 1",
-            param="tensor_parallel_size",
-        )
     checks = {
         "attention heads (num_attention_heads)": args.num_attention_heads,
         "KV heads (num_key_value_heads)": args.num_key_value_heads,
@@ -106,6 +110,12 @@ def local_args(args, world: int):
         checks["DeltaNet key heads (linear_num_key_heads)"] = deltanet[0]
         checks["DeltaNet value heads (linear_num_value_heads)"] = deltanet[1]
         deltanet = (deltanet[0] // world, deltanet[1] // world, *deltanet[2:])
+    if (
+        args.swiglu and args.packed_experts
+    ):  # gpt-oss's down_proj splits along its input on whole MXFP4 blocks
+        checks["MXFP4 blocks of 32 along the experts' down_proj input (intermediate_size / 32)"] = (
+            args.moe_intermediate_size // 32
+        )
     for what, n in checks.items():
         if n % world:
             raise ConfigError(
@@ -162,6 +172,13 @@ class Shards:
         prefix, _, leaf = name.rpartition(".")
         kind = "column" if name.endswith(HEADS) else self.kind(prefix)
         shape = tuple(t.get_shape()) if hasattr(t, "get_shape") else tuple(t.shape)
+        if self.args.swiglu and prefix.endswith(".mlp.experts") and leaf in OSS_EXPERTS:
+            dim, how = OSS_EXPERTS[leaf]
+            if how == "once":
+                return t[...] if self.rank == 0 else torch.zeros(shape, dtype=t[...].dtype)
+            step = shape[dim] // self.world
+            cut = (slice(None),) * dim + (slice(self.rank * step, (self.rank + 1) * step),)
+            return t[cut]
         if kind == "column":
             share = [(a, b) for a, b in self._ranges(prefix, shape[0])]
             return torch.cat([t[a:b] for a, b in share])
