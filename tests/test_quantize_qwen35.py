@@ -22,7 +22,7 @@ from quantserve.converters.calibration.layers import (
     run_block,
 )
 from quantserve.converters.calibration.quantize import quantize_checkpoint
-from quantserve.errors import ConfigError, UnsupportedFormatError
+from quantserve.errors import ConfigError
 from quantserve.formats import detect
 from quantserve.quant.dequantize import dequantize_checkpoint
 from tests.test_torch_moe import LONG
