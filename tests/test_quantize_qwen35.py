@@ -34,7 +34,7 @@ TOKENS = torch.randint(0, 49152, (4, 48), generator=torch.Generator().manual_see
 
 @pytest.fixture(scope="module")
 def sources(smollm2_gguf, tmp_path_factory) -> dict[str, Path]:
-    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe")}
+    return {kind: _build(kind, smollm2_gguf, tmp_path_factory) for kind in ("dense", "moe", "packed")}
 
 
 def _args(src: Path) -> ModelArgs:
@@ -116,8 +116,9 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("kind", "method", "deltanet"),
-    [("dense", "gptq", False), ("moe", "awq", False), ("dense", "awq", True), ("moe", "gptq", True)],
-)
+    [("dense", "gptq", False), ("moe", "awq", False), ("dense", "awq", True), ("moe", "gptq", True),
+     ("moe", "awq", True), ("dense", "awq-gptq", False), ("packed", "gptq", False)],
+)  # fmt: skip
 def test_a_quantized_qwen35_serves_as_its_dequantized_weights(kind, method, deltanet, sources, tmp_path):
     """The written checkpoint: attention, MLP and experts (shared one included) quantized, the DeltaNets dense
     byte for byte and named in GPTQModel's `dynamic` skip rules (or their three projections quantized with `deltanet`); the
@@ -132,7 +133,8 @@ def test_a_quantized_qwen35_serves_as_its_dequantized_weights(kind, method, delt
         for name in expected:
             assert f"model.layers.{i}.{name}.qweight" in got, name
     assert ("model.layers.0.linear_attn.in_proj_qkv.qweight" in got) == deltanet
-    assert ("model.layers.1.mlp.shared_expert.down_proj.qweight" in got) == (kind == "moe")
+    assert ("model.layers.1.mlp.shared_expert.down_proj.qweight" in got) == (kind != "dense")
+    assert not [n for n in got if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]  # (written apart)
     # (AWQ's scale for in_proj_qkv|z multiplies in_proj_a's and in_proj_b's columns: they stay dense, not as read)
     kept = (
         ("conv1d", "A_log", "dt_bias", "norm")
@@ -143,8 +145,25 @@ def test_a_quantized_qwen35_serves_as_its_dequantized_weights(kind, method, delt
         for n in (k for k in source if k.startswith(f"model.layers.2.linear_attn.{name}")):
             assert torch.equal(got[n], source[n]), n
     rules = json.loads((dst / "config.json").read_text())["quantization_config"]["dynamic"]  # GPTQModel's
-    assert r"-:model\.layers\.2\.linear_attn\.in_proj_b$" in rules
-    assert (r"-:model\.layers\.2\.linear_attn\.in_proj_z$" in rules) != deltanet
+    for name in ("in_proj_b", "in_proj_ba"):  # (and vLLM's fused names)
+        assert rf"-:model\.layers\.2\.linear_attn\.{name}$" in rules
+    for name in ("in_proj_z", "in_proj_qkvz"):
+        assert (rf"-:model\.layers\.2\.linear_attn\.{name}$" in rules) != deltanet
+    if method.startswith("awq"):  # a folded scale leaves norm x the dense linears that read it as it was
+        folds = [("input_layernorm", "linear_attn.in_proj_a"), ("input_layernorm", "linear_attn.in_proj_b")]
+        if kind != "dense":
+            folds += [
+                ("post_attention_layernorm", "mlp.gate"),
+                ("post_attention_layernorm", "mlp.shared_expert_gate"),
+            ]
+        for norm, linear in folds:
+            was = (1 + source[f"model.layers.2.{norm}.weight"]) * source[f"model.layers.2.{linear}.weight"]
+            now = (1 + got[f"model.layers.2.{norm}.weight"]) * got[f"model.layers.2.{linear}.weight"]
+            assert torch.allclose(now, was, rtol=1e-5, atol=1e-7), (norm, linear)
+        moved = not torch.equal(
+            got["model.layers.2.input_layernorm.weight"], source["model.layers.2.input_layernorm.weight"]
+        )
+        assert moved == deltanet  # (only a quantized DeltaNet has a scale to fold there)
 
     model = load_model(detect(dst), dtype=torch.float32, device=CPU)
     assert (type(model.model.layers[0].linear_attn.in_proj_qkv) is not torch.nn.Linear) == deltanet
@@ -186,6 +205,12 @@ def test_what_a_hybrid_cannot_take_is_refused_before_any_work(sources, tmp_path)
     )
     with pytest.raises(ConfigError, match="--quantize-deltanet applies to models with Gated DeltaNet layers"):
         quantize_checkpoint(
-            tmp_path / "llama", tmp_path / "b", "rtn", group_size=32, progress=False, deltanet=True
-        )
+            tmp_path / "llama",
+            tmp_path / "b",
+            "gptq",
+            group_size=32,
+            progress=False,
+            deltanet=True,
+            calib=str(tmp_path / "no-such-text.txt"),
+        )  # (refused before the text is read)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -1,7 +1,7 @@
 """Layer-by-layer quantization driver: stream a dense HF checkpoint one decoder layer at a time through RTN,
 GPTQ or AWQ, yielding every quantized linear and the tensors that stay dense.
 
-Memory: one decoder layer (float32, on `device`) plus the calibration activations [n_samples, seq_len, hidden]
+Memory: one decoder layer (float32, on `device`; a hybrid's two kinds of layer share one MLP) plus the calibration activations [n_samples, seq_len, hidden]
 (and, for AWQ, the inputs of that layer's linears). Layer i+1 is calibrated on layer i's outputs computed with
 layer i's *quantized* weights, as GPTQ's reference llama.py does.
 """
@@ -54,13 +54,16 @@ class SafetensorsReader:
     """The tensors of a dense checkpoint by name, each read on request from safetensors' memory map. `rename`
     (ModelArgs.our_name) gives each the name quantserve's model uses (Mixtral's `block_sparse_moe.experts.E.w1`
     is `mlp.experts.E.gate_proj`): tensors are asked for by those names, and `their_name` gives the
-    checkpoint's back, for the output."""
+    checkpoint's back, for the output. Experts stacked in one tensor per layer (transformers 5's layout, as the
+    released Qwen3.5-MoE ships) are read one expert at a time, and written out apart (the torch backend's
+    SafetensorsFiles)."""
 
     def __init__(self, files: tuple[Path, ...] | list[Path], rename: Callable[[str], str] | None = None):
-        from safetensors import safe_open
+        from quantserve.backends.torch.weights import SafetensorsFiles
 
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 - not a dict
+        self._files = SafetensorsFiles(tuple(files))
+        stacked = self._files.stacked()
+        where = [n for n in self._files.names() if n not in stacked]
         self._theirs = {(rename(n) if rename else n): n for n in where}  # ours -> the checkpoint's
         if len(self._theirs) < len(where):
             seen: dict[str, str] = {}
@@ -70,18 +73,17 @@ class SafetensorsReader:
                         f"the checkpoint has both '{seen[ours]}' and '{n}', which are one tensor"
                     )
                 seen[ours] = n
-        self._where = {ours: where[theirs] for ours, theirs in self._theirs.items()}
 
     def names(self) -> set[str]:
-        return set(self._where)
+        return set(self._theirs)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._theirs
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
+        if name not in self._theirs:
             raise ModelFileError(f"the checkpoint has no tensor '{name}'; is it complete?")
-        return self._where[name].get_tensor(self._theirs[name])
+        return self._files.read(self._theirs[name])
 
     def their_name(self, name: str) -> str:
         """The checkpoint's name of one of ours (a tensor, or a linear's prefix)."""
@@ -235,8 +237,9 @@ def _stream(
         prefix = f"model.layers.{i}."
         # one block serves every layer of a kind (Qwen3.5: a DeltaNet one and an attention one)
         kind = args.layer_types[i] if args.layer_types else ""
-        if kind not in blocks:
-            block = empty_block(args, device, i, deltanet=opt.deltanet)
+        if kind not in blocks:  # (the kinds share one MLP: a mixture's experts are held once)
+            shared = next(iter(blocks.values()))[0].mlp if blocks else None
+            block = empty_block(args, device, i, deltanet=opt.deltanet, mlp=shared)
             blocks[kind] = block, block.state_dict(), block_linears(block)
         block, state, linears = blocks[kind]
         dtypes = load_layer(reader, state, i, args.norm_offset)
@@ -321,18 +324,29 @@ def shifted(name: str) -> bool:
 
 
 def empty_block(
-    args: ModelArgs, device: torch.device, layer: int = 0, *, deltanet: bool = False
+    args: ModelArgs,
+    device: torch.device,
+    layer: int = 0,
+    *,
+    deltanet: bool = False,
+    mlp: torch.nn.Module | None = None,
 ) -> TransformerBlock:
     """A float32 decoder block on `device` for layer `layer`'s kind, reused for every layer of that kind (no random
     init of weights that get overwritten). A mixture of experts runs every expert on every token while it
     calibrates, so that each gets a Hessian however the router sends the calibration tokens (llm-compressor's
-    moe_calibrate_all_experts). `deltanet`: a DeltaNet block's own projections are quantized too."""
+    moe_calibrate_all_experts). `deltanet`: a DeltaNet block's own projections are quantized too. `mlp`: another
+    block's MLP to share (Qwen3.5's DeltaNet and attention layers have the same one), not allocated again."""
     with torch.device("meta"):
         block = TransformerBlock(args, layer)
-    if args.num_experts:
+    if mlp is not None:
+        block.mlp = torch.nn.Identity()
+    elif args.num_experts:
         block.mlp.calibrate_all = True
     block.quantize_deltanet = deltanet and block.linear
-    return block.to_empty(device=device).float().eval()
+    block = block.to_empty(device=device).float().eval()
+    if mlp is not None:
+        block.mlp = mlp
+    return block
 
 
 def _to_cpu(w: QuantizedWeight) -> QuantizedWeight:

@@ -113,6 +113,14 @@ def quantize_checkpoint(
     if (why := target.cannot_hold(bits, group_size, act_order == "group")) is not None:
         raise ConfigError(f"--format {fmt}: {why}; choose another --format", param="format")
     spec = detect(src)
+    if deltanet and spec.config:  # before any calibration work
+        from quantserve.backends.torch.model import ModelArgs
+
+        if not ModelArgs.from_hf_config(spec.config).deltanet:
+            raise ConfigError(
+                f"--quantize-deltanet applies to models with Gated DeltaNet layers (Qwen3.5); {src} has none",
+                param="quantize_deltanet",
+            )
     if (spec.config or {}).get("model_type") == "gpt_oss":
         raise UnsupportedFormatError(
             f"{src} is gpt-oss, which `convert --quant {method}` does not quantize (its experts are not linears, "
@@ -223,15 +231,21 @@ def _other_linears(spec: ModelSpec) -> tuple[str, ...]:
 
 def _dense_deltanet(spec: ModelSpec, quantized: bool) -> tuple[str, ...]:
     """The Gated DeltaNet linears written dense (all of them, or in_proj_a and in_proj_b when the rest are
-    quantized), named in the quantization config so that no loader looks for their quantized tensors."""
+    quantized), named in the quantization config so that no loader looks for their quantized tensors. vLLM fuses
+    them (in_proj_qkvz, in_proj_ba) and matches its skip rules against the fused names: those are named too."""
     from quantserve.converters.calibration.layers import DELTANET_LINEARS
 
     names = [t for f in spec.files for t in read_safetensors_header(f).tensors.values()]
-    return tuple(sorted(
+    dense = {
         t.name.removesuffix(".weight") for t in names
         if len(t.shape) == 2 and ".linear_attn." in t.name and t.name.endswith(".weight")
         and not (quantized and t.name.removesuffix(".weight").endswith(DELTANET_LINEARS))
-    ))  # fmt: skip
+    }  # fmt: skip
+    layers = {n.rpartition(".")[0] for n in dense}  # model.layers.0.linear_attn
+    fused = {f"{x}.in_proj_ba" for x in layers} | (
+        set() if quantized else {f"{x}.in_proj_qkvz" for x in layers}
+    )
+    return tuple(sorted(dense | fused))
 
 
 def _target(fmt: str) -> type[QuantScheme]:

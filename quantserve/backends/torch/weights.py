@@ -96,7 +96,7 @@ def _fill_dense(
         _copy(p, value.float() + offset if shifted else value, n)
 
 
-class _SafetensorsFiles:
+class SafetensorsFiles:
     """Tensors by name across (sharded) safetensors files, read through safetensors' memory map (no pickle).
 
     A mixture of experts saved in transformers 5's own layout stacks a layer's experts in two tensors,
@@ -124,6 +124,10 @@ class _SafetensorsFiles:
 
     def names(self) -> list[str]:
         return [*self.where, *(n for n in self.unpacked if n not in self.where)]
+
+    def stacked(self) -> set[str]:
+        """The stacked tensors that `unpacked` reads experts from."""
+        return {packed for packed, _, _ in self.unpacked.values()}
 
     def read(self, name: str) -> torch.Tensor:
         if name not in self.where and name in self.unpacked:
@@ -245,7 +249,7 @@ def load_model(
             _fill_dense(model, set(dense), lambda n: cut(n, ckpt.read_dense(dense[n])), skip)
     elif spec.format == "safetensors":
         model = _empty_model(args, dtype, device, vocab_rows=vocab_rows)
-        files = _SafetensorsFiles(spec.files)
+        files = SafetensorsFiles(spec.files)
         dense = {name(n): n for n in files.names()}
         if shards is None:
             _fill_dense(model, set(dense), lambda n: files.read(dense[n]), skip=set())
