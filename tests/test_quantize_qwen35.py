@@ -134,7 +134,9 @@ def test_a_quantized_qwen35_serves_as_its_dequantized_weights(kind, method, delt
             assert f"model.layers.{i}.{name}.qweight" in got, name
     assert ("model.layers.0.linear_attn.in_proj_qkv.qweight" in got) == deltanet
     assert ("model.layers.1.mlp.shared_expert.down_proj.qweight" in got) == (kind != "dense")
-    assert not [n for n in got if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]  # (written apart)
+    assert not [
+        n for n in got if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    ]  # (written apart)
     # (AWQ's scale for in_proj_qkv|z multiplies in_proj_a's and in_proj_b's columns: they stay dense, not as read)
     kept = (
         ("conv1d", "A_log", "dt_bias", "norm")

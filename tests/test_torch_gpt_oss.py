@@ -212,21 +212,28 @@ def test_config_errors_are_named(checkpoints):
         ModelArgs.from_hf_config({**config, "intermediate_size": 48})
     with pytest.raises(UnsupportedFormatError, match="'gptq'"):
         ModelArgs.from_hf_config({**config, "quantization_config": {"quant_method": "gptq"}})
-    from quantserve.backends.torch.tp_shard import local_args
+    from quantserve.backends.torch.tp_shard import expert_blocks, local_args
 
-    # 64 rows of down_proj input are 2 MXFP4 blocks: they do not split over 4 ranks (the heads would)
+    # the experts split on whole 32-row blocks, the shares one block apart at most: 64 rows over 4 ranks cannot
     args = dataclasses.replace(
         ModelArgs.from_hf_config({**config, "num_key_value_heads": 4}), packed_experts=True
     )
-    with pytest.raises(ConfigError, match=r"2 MXFP4 blocks of 32 .* do not split evenly over 4 ranks"):
+    with pytest.raises(
+        ConfigError, match=r"experts' 64 rows are fewer than 4 blocks of 32; use at most 2 ranks"
+    ):
         local_args(args, 4)
+    # the released 2880 rows (90 blocks) over 4 ranks: 23, 23, 22 and 22 blocks, end to end
+    assert [expert_blocks(2880, r, 4) for r in range(4)] == [(0, 23), (23, 23), (46, 22), (68, 22)]
 
 
 def test_the_quantizers_refuse_it_by_name(checkpoints, tmp_path):
     from quantserve.converters.calibration.quantize import quantize_checkpoint
 
-    with pytest.raises(UnsupportedFormatError, match="gpt-oss"):
-        quantize_checkpoint(checkpoints["float"], tmp_path / "q", "rtn")
+    for method in ("rtn", "gptq"):
+        with pytest.raises(
+            UnsupportedFormatError, match=f"is gpt-oss, which `convert --quant {method}` does not"
+        ):
+            quantize_checkpoint(checkpoints["float"], tmp_path / "q", method)
     assert not list(tmp_path.iterdir())
 
 

@@ -125,11 +125,11 @@ def test_qwen3_moe(smollm2_hf, tmp_path):
     compare(_save(transformers.Qwen3MoeForCausalLM(config), tmp_path / "moe", smollm2_hf))
 
 
-@pytest.mark.parametrize("kind", ["dense-gptq", "moe"])
+@pytest.mark.parametrize("kind", ["dense-gptq", "deltanet-gptq", "moe"])
 def test_qwen35(kind, smollm2_hf, tmp_path):
     """Qwen3.5's Gated DeltaNets split by heads (each rank keeps its heads' part of every recurrent state), its gated
     attention by heads, and the MoE's shared expert like the others: dense as a GPTQ checkpoint (DeltaNets kept
-    dense), and MoE. Three DeltaNet layers and one attention layer, 2 key and 4 value heads."""
+    dense, or quantized too: their Marlin shares per rank), and MoE. Three DeltaNet layers and one attention layer, 2 key and 4 value heads."""
     base = {k: v for k, v in SIZES.items() if k not in ("num_hidden_layers", "intermediate_size")}
     linear = dict(num_hidden_layers=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2,
                   linear_num_value_heads=4)  # fmt: skip
@@ -155,7 +155,8 @@ def test_qwen35(kind, smollm2_hf, tmp_path):
     from quantserve.converters.calibration.quantize import quantize_checkpoint
 
     tokens = torch.randint(0, 49152, (4, 32), generator=torch.Generator().manual_seed(0))
-    quantize_checkpoint(src, tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False)
+    quantize_checkpoint(src, tmp_path / "q", "gptq", group_size=32, calib_tokens=tokens, progress=False,
+                        deltanet=kind == "deltanet-gptq")  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(src / name, tmp_path / "q" / name)
     compare(tmp_path / "q")
@@ -164,14 +165,14 @@ def test_qwen35(kind, smollm2_hf, tmp_path):
 @pytest.mark.parametrize("kind", ["float", "mxfp4"])
 def test_gpt_oss(kind, smollm2_hf, tmp_path):
     """gpt-oss: sinks with their heads, biases (o_proj's and each expert's down bias added once), windows shorter
-    than the prompts, the clamped SwiGLU experts split within each expert; as MXFP4, the blocks cut on whole
-    32-value blocks (down_proj's input: 128 / 2 = 64 per rank), never decoded at load."""
+    than the prompts, the clamped SwiGLU experts split within each expert on whole 32-row blocks, here unevenly
+    (96 rows: 64 and 32, as the released 2880 split over 4 ranks); as MXFP4, the blocks cut, never decoded."""
     from safetensors.torch import load_file, save_file
 
     from quantserve.kernels import mxfp4
 
     base = {k: v for k, v in SIZES.items() if k not in ("intermediate_size", "tie_word_embeddings")}
-    config = transformers.GptOssConfig(**base, intermediate_size=128, sliding_window=8, num_local_experts=4,
+    config = transformers.GptOssConfig(**base, intermediate_size=96, sliding_window=8, num_local_experts=4,
                                        num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(config)

@@ -10,8 +10,9 @@
   weight per head dimension) is replicated, and its out_proj is row parallel.
 - gpt-oss: the attention sinks go with their heads; the stacked experts split within each expert as the others,
   gate|up by rows of the MLP (gate and up interleaved, so a contiguous share keeps each pair together) and down
-  along its input, on whole 32-value MXFP4 blocks when the experts ship as MXFP4 (the blocks and their scales cut,
-  never decoded). Each expert's down bias is added once, by rank 0.
+  along its input, on whole 32-value MXFP4 blocks (the blocks and their scales cut, never decoded). The shares
+  may differ by a block: the released models' 2880 rows are 90 blocks, which 4 or 8 ranks take as 23/23/22/22 or
+  12/.../11 (`expert_blocks`). Each expert's down bias is added once, by rank 0.
 - Row parallel (each rank reads some inputs, and the outputs are partial sums): o_proj, down_proj and a DeltaNet's
   out_proj. One all-reduce after the token mixer and one after the MLP joins them (TransformerBlock._sum).
 - Vocab parallel: each rank holds ceil(V / N) rows of the embedding and the output layer (the last padded). A
@@ -89,8 +90,16 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)[..., :vocab]
 
 
-def local_args(args, world: int):
-    """The ModelArgs of one rank's slice: its share of the attention and KV heads and of the MLP rows.
+def expert_blocks(ff: int, rank: int, world: int) -> tuple[int, int]:
+    """gpt-oss: the first 32-row block of the experts' width `ff` that `rank` holds, and how many (whole blocks,
+    the first ff / 32 % world ranks one more)."""
+    base, extra = divmod(ff // 32, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def local_args(args, world: int, rank: int = 0):
+    """The ModelArgs of one rank's slice: its share of the attention and KV heads and of the MLP rows (gpt-oss's
+    experts: this rank's whole blocks, `expert_blocks`).
 
     Raises:
         ConfigError: a dimension that does not split evenly over `world` ranks, named.
@@ -99,7 +108,14 @@ def local_args(args, world: int):
         "attention heads (num_attention_heads)": args.num_attention_heads,
         "KV heads (num_key_value_heads)": args.num_key_value_heads,
     }
-    if args.num_experts:
+    if args.swiglu:  # gpt-oss: whole 32-row blocks, shares differing by one at most
+        if args.moe_intermediate_size // 32 < world:
+            raise ConfigError(
+                f"--tensor-parallel-size {world}: the experts' {args.moe_intermediate_size} rows are fewer than "
+                f"{world} blocks of 32; use at most {args.moe_intermediate_size // 32} ranks",
+                param="tensor_parallel_size",
+            )
+    elif args.num_experts:
         checks["expert MLP rows (moe_intermediate_size)"] = args.moe_intermediate_size
     else:
         checks["MLP rows (intermediate_size)"] = args.intermediate_size
@@ -110,12 +126,6 @@ def local_args(args, world: int):
         checks["DeltaNet key heads (linear_num_key_heads)"] = deltanet[0]
         checks["DeltaNet value heads (linear_num_value_heads)"] = deltanet[1]
         deltanet = (deltanet[0] // world, deltanet[1] // world, *deltanet[2:])
-    if (
-        args.swiglu and args.packed_experts
-    ):  # gpt-oss's down_proj splits along its input on whole MXFP4 blocks
-        checks["MXFP4 blocks of 32 along the experts' down_proj input (intermediate_size / 32)"] = (
-            args.moe_intermediate_size // 32
-        )
     for what, n in checks.items():
         if n % world:
             raise ConfigError(
@@ -128,7 +138,11 @@ def local_args(args, world: int):
         num_attention_heads=args.num_attention_heads // world,
         num_key_value_heads=args.num_key_value_heads // world,
         intermediate_size=args.intermediate_size // world if not args.num_experts else args.intermediate_size,
-        moe_intermediate_size=args.moe_intermediate_size // world,
+        moe_intermediate_size=(
+            32 * expert_blocks(args.moe_intermediate_size, rank, world)[1]
+            if args.swiglu
+            else args.moe_intermediate_size // world
+        ),
         shared_expert_size=args.shared_expert_size // world,
         deltanet=deltanet,
     )
@@ -176,8 +190,11 @@ class Shards:
             dim, how = OSS_EXPERTS[leaf]
             if how == "once":
                 return t[...] if self.rank == 0 else torch.zeros(shape, dtype=t[...].dtype)
-            step = shape[dim] // self.world
-            cut = (slice(None),) * dim + (slice(self.rank * step, (self.rank + 1) * step),)
+            first, n = expert_blocks(self.args.moe_intermediate_size, self.rank, self.world)
+            per_block = shape[dim] // (
+                self.args.moe_intermediate_size // 32
+            )  # 64 gate|up rows, 32 rows, or 1 block
+            cut = (slice(None),) * dim + (slice(first * per_block, (first + n) * per_block),)
             return t[cut]
         if kind == "column":
             share = [(a, b) for a, b in self._ranges(prefix, shape[0])]

@@ -196,7 +196,7 @@ def load_model(
         args = replace(args, packed_experts=True)
     shards = Shards(args, tp.rank, tp.world) if tp is not None else None
     if shards is not None:
-        args = local_args(args, shards.world)
+        args = local_args(args, shards.world, shards.rank)
     vocab_rows = shards.vocab_rows(args.vocab_size) if shards is not None else 0
 
     def cut(n: str, t: torch.Tensor) -> torch.Tensor:
