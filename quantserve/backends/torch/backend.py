@@ -238,10 +238,12 @@ def _hybrid_step(spec: ModelSpec, settings: EngineSettings, elem_bytes: int) -> 
     n_k, n_v, d_k, d_v, kernel = args.deltanet
     n_lin = args.layer_types.count("linear_attention")
     per_seq = n_lin * state_bytes(2 * n_k * d_k + n_v * d_v, kernel, n_v, d_k, d_v, elem_bytes)
+    n = settings.torch.tensor_parallel_size
+    split = f" (1/{n} of it on each of {n} ranks)" if n > 1 else ""
     return (
         f"{n_lin} of {len(args.layer_types)} layers are Gated DeltaNet (linear attention, no KV): each running "
         f"sequence keeps a {per_seq / 2**20:.2f} MiB recurrent state (conv window and delta state) in one of "
-        f"{settings.max_num_seqs} slots, {settings.max_num_seqs * per_seq / 2**20:.1f} MiB in all; prefix caching "
+        f"{settings.max_num_seqs} slots, {settings.max_num_seqs * per_seq / 2**20:.1f} MiB in all{split}; prefix caching "
         "is off for this model (a state holds a whole prefix and is not kept per block), and a preempted sequence "
         "recomputes its state"
     )
