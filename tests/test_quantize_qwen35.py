@@ -14,13 +14,9 @@ from safetensors import safe_open
 
 from quantserve.backends.torch.args import ModelArgs
 from quantserve.backends.torch.weights import load_model
+from quantserve.converters.calibration.awq_block import awq_scale_block
 from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer, ropes
-from quantserve.converters.calibration.layers import (
-    QuantizeOptions,
-    awq_scale_block,
-    block_linears,
-    run_block,
-)
+from quantserve.converters.calibration.layers import QuantizeOptions, block_linears, run_block
 from quantserve.converters.calibration.quantize import quantize_checkpoint
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
@@ -75,14 +71,14 @@ def test_awq_folding_keeps_deltanet_and_attention_blocks(kind, deltanet, sources
     """AWQ's scales folded into a DeltaNet block (its in_proj_a and in_proj_b columns too) and an attention block
     (the shared expert's gate and up, and its gate's columns) leave each computing what it did. The search is
     replaced by random scales, so that every fold moves something."""
-    from quantserve.converters.calibration import awq_moe, layers
+    from quantserve.converters.calibration import awq_block, awq_moe
 
     gen = torch.Generator().manual_seed(1)
 
     def searcher(opt):
         return lambda x, ws, fn: torch.rand(x.shape[-1], generator=gen) + 0.5
 
-    monkeypatch.setattr(layers, "scale_searcher", searcher)
+    monkeypatch.setattr(awq_block, "scale_searcher", searcher)
     monkeypatch.setattr(awq_moe, "scale_searcher", searcher)
     hidden = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(3))
     for layer in (0, 3):

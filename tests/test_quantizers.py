@@ -21,6 +21,7 @@ from quantserve.converters.calibration.awq import (
     search_clip,
     search_scale,
 )
+from quantserve.converters.calibration.awq_block import fold_awq_scales
 from quantserve.converters.calibration.driver import (
     DenseTensor,
     QuantizedLinear,
@@ -30,7 +31,7 @@ from quantserve.converters.calibration.driver import (
     split_tokens,
 )
 from quantserve.converters.calibration.gptq import GPTQ
-from quantserve.converters.calibration.layers import LINEARS, fold_awq_scales
+from quantserve.converters.calibration.layers import LINEARS
 from quantserve.errors import ConfigError
 from quantserve.quant.rtn import GroupQuantizer, fake_quantize, quantize_rtn
 

@@ -243,8 +243,9 @@ def test_awqs_scales_leave_a_moe_block_computing_what_it_did(moe_dir):
     routing included (the router reads the rescaled norm)."""
     from quantserve.backends.torch.model import ModelArgs
     from quantserve.backends.torch.rope import RotaryEmbedding
+    from quantserve.converters.calibration.awq_block import awq_scale_block
     from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer
-    from quantserve.converters.calibration.layers import QuantizeOptions, awq_scale_block
+    from quantserve.converters.calibration.layers import QuantizeOptions
 
     args = ModelArgs.from_hf_config(json.loads((moe_dir / "config.json").read_text()))
     block = empty_block(args, torch.device("cpu"))
@@ -268,8 +269,9 @@ def assert_awq_folding_keeps_the_block(directory: Path, hidden_size: int) -> Non
     rounded), leave that block computing what it did."""
     from quantserve.backends.torch.model import ModelArgs
     from quantserve.backends.torch.rope import RotaryEmbedding
+    from quantserve.converters.calibration.awq_block import awq_scale_block
     from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer
-    from quantserve.converters.calibration.layers import QuantizeOptions, awq_scale_block
+    from quantserve.converters.calibration.layers import QuantizeOptions
 
     args = ModelArgs.from_hf_config(json.loads((directory / "config.json").read_text()))
     block = empty_block(args, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""AWQ's scales for a block whose checkpoint fuses q|k|v and gate|up (Phi-3 / Phi-4; layers.py's awq_scale_block
+"""AWQ's scales for a block whose checkpoint fuses q|k|v and gate|up (Phi-3 / Phi-4; awq_block.py's awq_scale_block
 hands such a block over here), as AutoAWQ's Phi-3 recipe groups them: input_layernorm → qkv_proj; v's rows of
 qkv_proj → o_proj (without GQA only: v's outputs must be o's inputs one to one); post_attention_layernorm →
 gate_up_proj; up's rows of gate_up_proj → down_proj (down reads act(gate) · up, so scaling up's rows scales it)."""
@@ -9,13 +9,8 @@ import torch
 from torch.func import functional_call
 
 from quantserve.backends.torch.model import TransformerBlock
-from quantserve.converters.calibration.layers import (
-    FUSED_LINEARS,
-    QuantizeOptions,
-    capture,
-    linear_fn,
-    scale_searcher,
-)
+from quantserve.converters.calibration.awq_block import linear_fn, scale_searcher
+from quantserve.converters.calibration.layers import FUSED_LINEARS, QuantizeOptions, capture
 from quantserve.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""AWQ's scales for a mixture-of-experts block (layers.py's awq_scale_block hands such a block over here)."""
+"""AWQ's scales for a mixture-of-experts block (awq_block.py's awq_scale_block hands such a block over here)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from quantserve.backends.torch.model import TransformerBlock
-from quantserve.converters.calibration.layers import (
-    QuantizeOptions,
-    capture,
+from quantserve.converters.calibration.awq_block import (
     fold_scales,
     linear_fn,
     mixer_hooks,
     mixer_scales,
     scale_searcher,
 )
+from quantserve.converters.calibration.layers import QuantizeOptions, capture
 
 SHARED_DOWN = "mlp.shared_expert.down_proj"
 
@@ -31,7 +30,7 @@ def awq_scale_moe_block(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
 
     Qwen3.5-MoE's shared expert reads that norm too: its gate and up join the shared scale's search and folding,
     its gate (`shared_expert_gate`, dense) takes the scale on its columns like the router, and its down is scaled
-    against its own up, on every token. The token mixer's scales are layers.py's (attention, or a DeltaNet)."""
+    against its own up, on every token. The token mixer's scales are awq_block.py's (attention, or a DeltaNet)."""
     mlp = block.mlp
     experts = list(mlp.experts)
     downs = tuple(f"mlp.experts.{e}.down_proj" for e in range(len(experts)))

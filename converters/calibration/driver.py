@@ -1,8 +1,8 @@
 """Layer-by-layer quantization driver: stream a dense HF checkpoint one decoder layer at a time through RTN,
 GPTQ or AWQ, yielding every quantized linear and the tensors that stay dense.
 
-Memory: one decoder layer (float32, on `device`; a hybrid's two kinds of layer share one MLP) plus the calibration activations [n_samples, seq_len, hidden]
-(and, for AWQ, the inputs of that layer's linears). Layer i+1 is calibrated on layer i's outputs computed with
+Memory: one decoder layer (float32, on `device`; a hybrid's two kinds of layer share one MLP) plus the calibration
+activations [n_samples, seq_len, hidden] (and, for AWQ, the inputs of that layer's linears). Layer i+1 is calibrated on layer i's outputs computed with
 layer i's *quantized* weights, as GPTQ's reference llama.py does.
 """
 
@@ -20,12 +20,29 @@ import torch
 from tqdm import tqdm
 
 from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, TransformerBlock
-from quantserve.converters.calibration.layers import LAYER_METHODS, QuantizeOptions, block_linears, run_block
+from quantserve.converters.calibration.awq_block import quantize_block_awq, quantize_block_awq_gptq
+from quantserve.converters.calibration.layers import (
+    LayerResult,
+    QuantizeOptions,
+    block_linears,
+    quantize_block_gptq,
+    quantize_block_rtn,
+    run_block,
+)
 from quantserve.errors import ConfigError, ModelFileError
 from quantserve.formats import detect
 from quantserve.kernels.qweight import QuantizedWeight
 
 log = logging.getLogger(__name__)
+
+# The per-layer step of each method (layers.METHODS names them). Register, don't elif: a new method is one more
+# entry.
+LAYER_METHODS: dict[str, Callable[..., LayerResult]] = {
+    "rtn": quantize_block_rtn,
+    "gptq": quantize_block_gptq,
+    "awq": quantize_block_awq,
+    "awq-gptq": quantize_block_awq_gptq,
+}
 
 DEFAULT_N_SAMPLES = 128  # AutoAWQ's default; the built-in text gives fewer (see split_tokens)
 DEFAULT_SEQ_LEN = 512
