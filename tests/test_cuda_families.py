@@ -75,6 +75,28 @@ def test_deltanet_decode_kernel_at_qwen35_sizes(batch):
     assert (on[slots.to(GPU)].cpu() - new).abs().max() < 1e-4 * new.abs().max()
 
 
+@pytest.mark.parametrize("t", [5, 300])
+def test_deltanet_prefill_kernel_at_qwen35_sizes(t):
+    """kernels/deltanet.py's chunked prefill compiled for the GPU against the chunked rule in fp32 (Qwen3.5's heads,
+    a state carried in), the slot's state updated in place."""
+    from quantserve.backends.torch.deltanet import delta_rule_chunked
+    from quantserve.kernels.deltanet import prefill
+
+    gen = torch.Generator().manual_seed(t)
+    n_k, n_v, d = 16, 32, 128
+    q = torch.nn.functional.normalize(torch.randn(t, n_k, d, generator=gen), dim=-1) * d**-0.5
+    k = torch.nn.functional.normalize(torch.randn(t, n_k, d, generator=gen), dim=-1)
+    v = torch.randn(t, n_v, d, generator=gen)
+    g, beta = -torch.rand(t, n_v, generator=gen), torch.rand(t, n_v, generator=gen)
+    state = 0.1 * torch.randn(3, n_v, d, d, generator=gen)
+    want, new = delta_rule_chunked(q[None].repeat_interleave(2, 2), k[None].repeat_interleave(2, 2), v[None],
+                                   g[None], beta[None], state[2:3])  # fmt: skip
+    on = state.to(GPU)
+    got = prefill(q.to(GPU), k.to(GPU), v.to(GPU), g.to(GPU), beta.to(GPU), on, 2).cpu()
+    assert (got - want[0]).abs().max() < 1e-4 * want.abs().max()
+    assert (on[2].cpu() - new[0]).abs().max() < 1e-4 * new.abs().max()
+
+
 def check_model(src, device: torch.device) -> None:
     """bf16 on `device`: the prompt's logits against the same model in bf16 on the CPU (the same arithmetic, other
     kernels) and, loosely, in fp32 (a random model in bf16 drifts by a few percent); then the engine's paged path,

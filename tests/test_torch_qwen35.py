@@ -178,9 +178,34 @@ def test_the_triton_decode_step_equals_the_recurrent_rule(n_k, n_v, d_k, d_v, mo
     assert torch.equal(state[[1, 3]], before[[1, 3]])
 
 
+@pytest.mark.parametrize(
+    ("n_k", "n_v", "d_k", "d_v", "t"), [(2, 4, 16, 16, 37), (1, 3, 24, 40, 16), (2, 2, 32, 32, 5)]
+)
+def test_the_triton_prefill_equals_the_chunked_rule(n_k, n_v, d_k, d_v, t, monkeypatch):
+    """kernels/deltanet.py's prefill under the interpreter: one sequence's tokens in chunks of 16 (the last one
+    short, or the only one), from the state in its slot, which is updated in place; the other slots untouched."""
+    from quantserve.kernels.deltanet import prefill
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(t)
+    q = torch.nn.functional.normalize(torch.randn(t, n_k, d_k, generator=gen), dim=-1) * d_k**-0.5
+    k = torch.nn.functional.normalize(torch.randn(t, n_k, d_k, generator=gen), dim=-1)
+    v = torch.randn(t, n_v, d_v, generator=gen)
+    g, beta = -2 * torch.rand(t, n_v, generator=gen), torch.rand(t, n_v, generator=gen)
+    state = torch.randn(3, n_v, d_k, d_v, generator=gen)
+    before = state.clone()
+    rep = n_v // n_k
+    want, new = delta_rule_chunked(q[None].repeat_interleave(rep, 2), k[None].repeat_interleave(rep, 2), v[None],
+                                   g[None], beta[None], before[1:2])  # fmt: skip
+    got = prefill(q, k, v, g, beta, state, 1)
+    assert (got - want[0]).abs().max() < 1e-5 * want.abs().max()
+    assert (state[1] - new[0]).abs().max() < 1e-5 * new.abs().max()
+    assert torch.equal(state[[0, 2]], before[[0, 2]])
+
+
 def test_decoding_through_the_triton_kernels_gives_transformers_tokens(checkpoints, monkeypatch):
-    """The engine as it runs on CUDA (the DeltaNet decode kernel, paged attention and the fused kernels), here
-    under the interpreter: 4 prompts batched, the greedy tokens equal transformers'."""
+    """The engine as it runs on CUDA (the DeltaNet prefill and decode kernels, paged attention and the fused
+    kernels), here under the interpreter: 4 prompts batched, the greedy tokens equal transformers'."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     checkpoint = checkpoints["moe"]
     model = load_model(detect(checkpoint), dtype=torch.float32, device=CPU)
@@ -192,11 +217,13 @@ def test_decoding_through_the_triton_kernels_gives_transformers_tokens(checkpoin
     assert runner.paged_kernel and model.model.layers[0].linear_attn.triton_ops
     from quantserve.backends.torch import deltanet
 
-    calls = []
-    step = deltanet.kernel.decode_step
+    calls, prefills = [], []
+    step, prefill = deltanet.kernel.decode_step, deltanet.kernel.prefill
     monkeypatch.setattr(deltanet.kernel, "decode_step", lambda *a: calls.append(a[0].shape[0]) or step(*a))
+    monkeypatch.setattr(deltanet.kernel, "prefill", lambda *a: prefills.append(a[0].shape[0]) or prefill(*a))
     assert _together(engine, PROMPTS, 6) == want
     assert max(calls) == 4  # the four sequences decoded together, through the kernel
+    assert sorted(prefills) == sorted(len(p) for p in PROMPTS for _ in range(3))  # each prompt, in 3 layers
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

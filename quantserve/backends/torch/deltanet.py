@@ -19,8 +19,10 @@ Two exact forms of the rule, in fp32 as transformers computes it:
   with G the cumulative log decay, A[t, i] = beta_t exp(G_t - G_i) k_t . k_i (i < t) and T = (I + A)^-1, the
   corrected values are U = T (beta V) - T (beta exp(G) K) S0; then O = exp(G) Q S0 + (Q K^T o exp(G_t - G_i))_{i<=t}
   U and S = exp(G_last) S0 + (K exp(G_last - G))^T U. Prefill, whole sequences, and chunks of a prompt carry S over.
-On CUDA (and in tests under TRITON_INTERPRET=1) a decoding step runs as one Triton kernel over every decoding
-sequence's state in place (kernels/deltanet.py, `triton_ops`); prefill runs the chunked form as PyTorch ops.
+On CUDA (and in tests under TRITON_INTERPRET=1) the engine's steps run as Triton kernels instead (kernels/deltanet.py,
+`triton_ops`): a decoding step as one kernel over every decoding sequence's state in place, and a prefill chunk as
+the chunked form in one kernel (16 tokens a chunk), its slot's state in place. The whole-sequence forward (no
+engine step: tests, calibration) stays PyTorch.
 """
 
 from __future__ import annotations
@@ -227,6 +229,14 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((st.conv[slot], qkv[first : first + n].T.to(st.conv.dtype)), dim=-1)
             st.conv[slot] = window[:, -(self.kernel - 1) :]
             mixed = F.silu(F.conv1d(window[None], self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
+            if self.triton_ops:  # the chunked form in one kernel, the slot's state updated in place
+                q, k, v, g, beta = self._inputs(
+                    mixed.to(x.dtype), b[None, first : first + n], a[None, first : first + n]
+                )
+                out[first : first + n] = kernel.prefill(q[0], k[0], v[0], g[0], beta[0], st.ssm, slot).to(
+                    x.dtype
+                )
+                continue
             o, new = self._rule(mixed.to(x.dtype), b[None, first : first + n], a[None, first : first + n],
                                 st.ssm[slot][None])  # fmt: skip
             st.ssm[slot] = new[0]
