@@ -37,6 +37,7 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(smollm2_hf, tmp_path):
         "moe-layer",
         "moe-decode",
         "gemma-decode",
+        "deltanet",
         "tp-nccl",
     ]
     assert all(s["ok"] for s in steps.values())
@@ -51,9 +52,10 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(smollm2_hf, tmp_path):
     assert all(r["grouped int4"]["rel_err"] < 2e-3 for r in steps["moe-layer"]["result"]["rows"])
     assert {r["weights"] for r in steps["moe-decode"]["result"]["rows"]} == {"int4", "float32"}
     assert {r["weights"] for r in steps["gemma-decode"]["result"]["rows"]} == {"int4", "float32"}
+    assert [r["what"] for r in steps["deltanet"]["result"]["rows"]] == ["decode", "decode", "prefill"]
     report = (out / "report.md").read_text()
     for heading in ("| env | ok", "## CUDA tests", "## Decode", "## Serving smoke test", "(answered)", "## MoE layer",
-                    "## MoE decode"):  # fmt: skip
+                    "## MoE decode", "## Gated DeltaNet kernels"):  # fmt: skip
         assert heading in report
     for name in ("env", "cuda-tests", "gemm", "decode", "serve"):
         assert (out / "logs" / f"{name}.log").stat().st_size > 0

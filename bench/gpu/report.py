@@ -59,6 +59,16 @@ def render(results: dict) -> str:
                   f"{len(r.get('correctness', [])) - len(bad)} checks ok, {len(bad)} failed"]  # fmt: skip
     if r := steps.get("decode", {}).get("result"):
         lines += ["", "## Decode", "", *_decode(r)]
+    if (r := steps.get("deltanet", {}).get("result")) and r.get("rows"):
+        lines += [
+            "",
+            f"## Gated DeltaNet kernels ({r.get('device')})",
+            "",
+            "| step | size | PyTorch ms | kernel ms | PyTorch / kernel | rel err |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {x['what']} | {x.get('batch', x.get('tokens'))} | {_f(x['torch_ms'], '.3f')} | "
+                  f"{_f(x['kernel_ms'], '.3f')} | {_f(x['ratio'], '.2f')} | {x['rel_err']:.1e} |" for x in r["rows"]]  # fmt: skip
     if r := steps.get("serve", {}).get("result"):
         lines += ["", "## Serving smoke test", "", *_serve(r)]
     failed = [s for s in results["steps"] if not s["ok"]]

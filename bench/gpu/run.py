@@ -72,6 +72,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     moe = [py, str(ROOT / "bench/moe_gemm.py")]
     moe_decode = decode + ["--shape", "qwen3-30b-a3b"]
     gemma_decode = decode + ["--shape", "gemma3-12b"]
+    deltanet = [py, str(ROOT / "bench/deltanet_kernels.py"), "--out", str(out / "deltanet.json")]
     tp = Step("tp-nccl", [py, str(ROOT / "bench/gpu/tp_nccl.py"), "--out", str(out / "tp-nccl.json")], 90,
               "tp-nccl.json")  # fmt: skip
     env = Step("env", [py, str(ROOT / "bench/gpu/env_info.py"), str(out / "env.json")], 30, "env.json")
@@ -112,6 +113,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                 240,
                 "gemma-decode.json",
             ),  # fmt: skip
+            Step("deltanet", deltanet + ["--cpu-smoke"], 120, "deltanet.json"),
             tp,
         ]
     # The numbers first: a step that overruns only cuts what comes after it.
@@ -127,6 +129,8 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
             "decode", decode + ["--batches", "1,16,64", "--out", str(out / "decode.json")], 100, "decode.json"
         ),
         Step("cuda-tests", tests + CUDA_TESTS, 240, None),
+        # Qwen3.5's Gated DeltaNet: the Triton kernels against the PyTorch forms, decode and prefill
+        Step("deltanet", deltanet, 60, "deltanet.json"),
         # a mixture of experts: one Qwen3-30B-A3B layer against its peers, then decode of 12 of its 48 layers
         Step("moe-layer", moe + ["--out", str(out / "moe-layer.json")], 90, "moe-layer.json"),
         Step(
