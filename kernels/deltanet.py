@@ -133,6 +133,17 @@ def _kernel(interpret: bool, which: str = "decode") -> Any:
     )
 
 
+def _checked(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The rule's inputs, contiguous (the kernels index them by their leading strides only).
+
+    Raises:
+        ValueError: an input or the state is not fp32, or the state is not contiguous (it is updated in place).
+    """
+    if any(x.dtype != torch.float32 for x in (q, k, v, g, beta, state)) or not state.is_contiguous():
+        raise ValueError("the DeltaNet kernels take fp32 inputs and a contiguous fp32 state")
+    return tuple(x.contiguous() for x in (q, k, v, g, beta))
+
+
 def decode_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -146,9 +157,7 @@ def decode_step(
     fp32, updated in place at rows `slots` [B] (distinct) -> o [B, H_v, d_v] fp32."""
     bsz, n_v, d_v = v.shape
     n_k, d_k = q.shape[1], q.shape[2]
-    if state.dtype != torch.float32 or q.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError("decode_step takes fp32 inputs and a contiguous fp32 state")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = _checked(q, k, v, g, beta, state)
     slots = slots.to(torch.int64).contiguous()
     out = torch.empty_like(v)
     if bsz == 0:
@@ -182,12 +191,10 @@ def prefill(
     (WY) form of backends/torch/deltanet.py, PREFILL_CHUNK tokens at a time."""
     t, n_v, d_v = v.shape
     n_k, d_k = q.shape[1], q.shape[2]
-    if any(x.dtype != torch.float32 for x in (q, k, v, g, beta, state)) or not state.is_contiguous():
-        raise ValueError("prefill takes fp32 inputs and a contiguous fp32 state")
+    q, k, v, g, beta = _checked(q, k, v, g, beta, state)
     bt = PREFILL_CHUNK
     pad = -t % bt  # g's running sum within each chunk (the kernel reads it by token)
     gc = torch.nn.functional.pad(g, (0, 0, 0, pad)).view(-1, bt, n_v).cumsum(1).view(-1, n_v)[:t].contiguous()
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     out = torch.empty_like(v)
     if t == 0:
         return out

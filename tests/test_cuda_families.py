@@ -15,6 +15,7 @@ from tests.test_paged_attention import case
 from tests.test_torch_gpt_oss import make_checkpoints as gpt_oss_checkpoints
 from tests.test_torch_moe import LONG
 from tests.test_torch_qwen35 import _build as qwen35_checkpoint
+from tests.test_torch_qwen35 import rule_inputs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GPU = torch.device("cuda")
@@ -61,10 +62,7 @@ def test_deltanet_decode_kernel_at_qwen35_sizes(batch):
 
     gen = torch.Generator().manual_seed(batch)
     n_k, n_v, d = 16, 32, 128
-    q = torch.nn.functional.normalize(torch.randn(batch, n_k, d, generator=gen), dim=-1) * d**-0.5
-    k = torch.nn.functional.normalize(torch.randn(batch, n_k, d, generator=gen), dim=-1)
-    v = torch.randn(batch, n_v, d, generator=gen)
-    g, beta = -2 * torch.rand(batch, n_v, generator=gen), torch.rand(batch, n_v, generator=gen)
+    q, k, v, g, beta = rule_inputs(batch, n_k, n_v, d, d, gen, decay=2.0)
     state = torch.randn(batch + 2, n_v, d, d, generator=gen)
     slots = torch.randperm(batch + 2, generator=gen)[:batch]
     want, new = delta_rule_recurrent(q[:, None].repeat_interleave(2, 2), k[:, None].repeat_interleave(2, 2),
@@ -84,10 +82,7 @@ def test_deltanet_prefill_kernel_at_qwen35_sizes(t):
 
     gen = torch.Generator().manual_seed(t)
     n_k, n_v, d = 16, 32, 128
-    q = torch.nn.functional.normalize(torch.randn(t, n_k, d, generator=gen), dim=-1) * d**-0.5
-    k = torch.nn.functional.normalize(torch.randn(t, n_k, d, generator=gen), dim=-1)
-    v = torch.randn(t, n_v, d, generator=gen)
-    g, beta = -torch.rand(t, n_v, generator=gen), torch.rand(t, n_v, generator=gen)
+    q, k, v, g, beta = rule_inputs(t, n_k, n_v, d, d, gen, decay=1.0)
     state = 0.1 * torch.randn(3, n_v, d, d, generator=gen)
     want, new = delta_rule_chunked(q[None].repeat_interleave(2, 2), k[None].repeat_interleave(2, 2), v[None],
                                    g[None], beta[None], state[2:3])  # fmt: skip

@@ -154,6 +154,17 @@ def test_batched_chunked_greedy_equals_transformers_alone(kind, checkpoints):
     assert _together(alone, [LONG], 10) == [want[1]]  # 41 tokens in 3 chunks: 14, 14, 13, the state carried
 
 
+def rule_inputs(
+    n: int, n_k: int, n_v: int, d_k: int, d_v: int, gen, decay: float = 2.0
+) -> tuple[torch.Tensor, ...]:
+    """The delta rule's fp32 inputs for n rows (tokens, or sequences one token each), as the layer hands them over:
+    q, k [n, H_k, d_k] normalised (q scaled), v [n, H_v, d_v], g in (-decay, 0] and beta in [0, 1) [n, H_v]."""
+    q = torch.nn.functional.normalize(torch.randn(n, n_k, d_k, generator=gen), dim=-1) * d_k**-0.5
+    k = torch.nn.functional.normalize(torch.randn(n, n_k, d_k, generator=gen), dim=-1)
+    v = torch.randn(n, n_v, d_v, generator=gen)
+    return q, k, v, -decay * torch.rand(n, n_v, generator=gen), torch.rand(n, n_v, generator=gen)
+
+
 @pytest.mark.parametrize(("n_k", "n_v", "d_k", "d_v"), [(2, 4, 16, 16), (1, 3, 24, 40)])
 def test_the_triton_decode_step_equals_the_recurrent_rule(n_k, n_v, d_k, d_v, monkeypatch):
     """kernels/deltanet.py under the interpreter: each decoding sequence's state updated in its own slot (slots out
@@ -163,10 +174,7 @@ def test_the_triton_decode_step_equals_the_recurrent_rule(n_k, n_v, d_k, d_v, mo
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(d_v)
     b, slots = 3, torch.tensor([4, 0, 2])
-    q = torch.nn.functional.normalize(torch.randn(b, n_k, d_k, generator=gen), dim=-1) * d_k**-0.5
-    k = torch.nn.functional.normalize(torch.randn(b, n_k, d_k, generator=gen), dim=-1)
-    v = torch.randn(b, n_v, d_v, generator=gen)
-    g, beta = -2 * torch.rand(b, n_v, generator=gen), torch.rand(b, n_v, generator=gen)
+    q, k, v, g, beta = rule_inputs(b, n_k, n_v, d_k, d_v, gen)
     state = torch.randn(5, n_v, d_k, d_v, generator=gen)
     before = state.clone()
     rep = n_v // n_k
@@ -188,10 +196,7 @@ def test_the_triton_prefill_equals_the_chunked_rule(n_k, n_v, d_k, d_v, t, monke
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(t)
-    q = torch.nn.functional.normalize(torch.randn(t, n_k, d_k, generator=gen), dim=-1) * d_k**-0.5
-    k = torch.nn.functional.normalize(torch.randn(t, n_k, d_k, generator=gen), dim=-1)
-    v = torch.randn(t, n_v, d_v, generator=gen)
-    g, beta = -2 * torch.rand(t, n_v, generator=gen), torch.rand(t, n_v, generator=gen)
+    q, k, v, g, beta = rule_inputs(t, n_k, n_v, d_k, d_v, gen)
     state = torch.randn(3, n_v, d_k, d_v, generator=gen)
     before = state.clone()
     rep = n_v // n_k

@@ -22,7 +22,12 @@ from quantserve.errors import ConfigError
 from quantserve.kernels.qweight import QuantizedWeight
 from quantserve.quant.rtn import check_quant_args, quantize_rtn
 
-METHODS = ("rtn", "gptq", "awq", "awq-gptq")  # the per-layer steps: here (rtn, gptq) and awq_block.py (awq)
+METHODS = (
+    "rtn",
+    "gptq",
+    "awq",
+    "awq-gptq",
+)  # the per-layer steps: here (rtn, gptq), awq_block.py (awq); convert's too
 LINEARS = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from quantserve.converters.calibration.layers import METHODS
 from quantserve.converters.hf_quant import WriteOptions, write_quantized, writers
 from quantserve.errors import ConfigError, UnsupportedFormatError
 from quantserve.formats import ModelSpec, detect, read_safetensors_header
@@ -21,7 +22,6 @@ from quantserve.formats.schemes import QuantScheme, schemes
 
 log = logging.getLogger("quantserve.convert")
 
-METHODS = ("rtn", "gptq", "awq", "awq-gptq")
 DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq", "awq-gptq": "gptq"}
 ACT_ORDERS = ("off", "static", "group")
 
