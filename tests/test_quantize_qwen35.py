@@ -18,9 +18,11 @@ from quantserve.converters.calibration.awq_block import awq_scale_block
 from quantserve.converters.calibration.driver import SafetensorsReader, empty_block, load_layer, ropes
 from quantserve.converters.calibration.layers import QuantizeOptions, block_linears, run_block
 from quantserve.converters.calibration.quantize import quantize_checkpoint
+from quantserve.converters.calibration.recipes import linear_shapes, sensitivity
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
 from quantserve.quant.dequantize import dequantize_checkpoint
+from quantserve.quant.rtn import quantize_rtn
 from tests.test_torch_moe import LONG
 from tests.test_torch_qwen35 import _build, _reference
 
@@ -188,10 +190,49 @@ def test_gptq_is_closer_than_rtn_to_the_source(sources, tmp_path):
     assert errs["gptq"] < errs["rtn"], errs
 
 
+def test_a_bits_budget_scores_every_linear_of_a_hybrid_as_transformers_does(sources, tmp_path):
+    """--bits-budget on Qwen3.5-MoE with its DeltaNets quantized: the sensitivity pass scores exactly the linears
+    the quantizer rounds, and each score is the KL transformers gives with that one linear rounded (RTN) and the
+    rest at full precision. The mixed checkpoint serves with transformers' logits on it dequantized."""
+    src = sources["moe"]
+    dst = tmp_path / "mixed"
+    tokens = TOKENS[:2]
+    quantize_checkpoint(src, dst, "rtn", bits=4, group_size=32, fmt="gptq", bits_budget=5.5,
+                        calib_tokens=tokens, progress=False, deltanet=True)  # fmt: skip
+    got, source = _tensors(dst), _tensors(src)
+    shapes = linear_shapes(_args(src), deltanet=True)
+    assert set(shapes) == {n.removesuffix(".qweight") for n in got if n.endswith(".qweight")}
+    assert all(tuple(source[p + ".weight"].shape) == shape for p, shape in shapes.items())
+    rules = json.loads((dst / "config.json").read_text())["quantization_config"]["dynamic"]
+    raised = [r for r in rules if r.startswith("+:")]
+    assert raised and all(rules[r]["bits"] == 8 for r in raised)  # the budget raised some, not all
+    assert len(raised) < len(shapes)
+
+    sens = sensitivity(src, tokens, 4, 32, deltanet=True, progress=False)
+    assert set(sens.kl) == set(shapes) and sens.n_positions == tokens.numel()
+    ref = _reference(src)
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        want = torch.log_softmax(ref(tokens).logits.reshape(-1, ref.config.vocab_size), -1)
+        for p in ("model.layers.0.linear_attn.in_proj_qkv", "model.layers.2.linear_attn.out_proj",
+                  "model.layers.3.self_attn.q_proj", "model.layers.1.mlp.shared_expert.down_proj"):  # fmt: skip
+            w = params[p + ".weight"]
+            kept = w.clone()
+            w.copy_(quantize_rtn(kept, 4, 32, True, torch.float16, p).dequantize().t())
+            lq = torch.log_softmax(ref(tokens).logits.reshape(-1, ref.config.vocab_size), -1)
+            w.copy_(kept)
+            kl = float((want.exp() * (want - lq)).sum(-1).mean())
+            assert kl > 0 and abs(sens.kl[p] - kl) < 1e-2 * kl, (p, sens.kl[p], kl)
+
+    model = load_model(detect(dst), dtype=torch.float32, device=CPU)
+    dq = _reference(dequantize_checkpoint(dst, tmp_path / "dq", dtype="float32"))
+    ids = torch.tensor([LONG])
+    with torch.no_grad():
+        want = dq(ids).logits
+        assert (model.compute_logits(model(ids)) - want).abs().max() < 1e-3 * want.abs().max()
+
+
 def test_what_a_hybrid_cannot_take_is_refused_before_any_work(sources, tmp_path):
-    with pytest.raises(ConfigError, match="--bits-budget's sensitivity pass does not run"):
-        quantize_checkpoint(sources["dense"], tmp_path / "a", "gptq", group_size=32, bits_budget=4.5,
-                            calib_tokens=TOKENS, progress=False)  # fmt: skip
     import transformers
 
     from tests.test_torch_model import CASES, TINY
@@ -211,4 +252,4 @@ def test_what_a_hybrid_cannot_take_is_refused_before_any_work(sources, tmp_path)
             deltanet=True,
             calib=str(tmp_path / "no-such-text.txt"),
         )  # (refused before the text is read)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()

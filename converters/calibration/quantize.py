@@ -129,12 +129,7 @@ def quantize_checkpoint(
     if bits_budget is not None and spec.config:  # before any calibration work
         from quantserve.backends.torch.model import ModelArgs
 
-        if ModelArgs.from_hf_config(spec.config).deltanet:
-            raise ConfigError(
-                f"--bits-budget's sensitivity pass does not run {src}'s Gated DeltaNet layers yet; drop it",
-                param="bits_budget",
-            )
-        shapes = linear_shapes(ModelArgs.from_hf_config(spec.config)).values()
+        shapes = linear_shapes(ModelArgs.from_hf_config(spec.config), deltanet).values()
         base = sum(linear_bpw(n, k, bits, group_size) * n * k for n, k in shapes) / sum(
             n * k for n, k in shapes
         )
@@ -158,7 +153,7 @@ def quantize_checkpoint(
     overrides = None
     if bits_budget is not None:
         assert tokens is not None
-        sens = sensitivity(src, tokens, bits, group_size, sym, progress=progress)
+        sens = sensitivity(src, tokens, bits, group_size, sym, deltanet=deltanet, progress=progress)
         plan = plan_budget(sens, bits, group_size, bits_budget)
         overrides = plan.overrides
         top = sorted(sens.kl, key=sens.kl.get, reverse=True)[:3]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quantserve.backends.torch.model import ModelArgs, RMSNorm
+from quantserve.backends.torch.model import ModelArgs, RMSNorm, TransformerBlock
 from quantserve.converters.calibration.driver import (
     EMBED,
     FINAL_NORM,
@@ -30,7 +30,7 @@ from quantserve.converters.calibration.driver import (
     load_layer,
     ropes,
 )
-from quantserve.converters.calibration.layers import FUSED_LINEARS, LINEARS, block_linears
+from quantserve.converters.calibration.layers import block_linears
 from quantserve.errors import ConfigError
 from quantserve.formats import detect
 from quantserve.quant.rtn import quantize_rtn
@@ -55,22 +55,21 @@ class Sensitivity:
     seconds: float
 
 
-def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    q = args.num_attention_heads * args.head_dim
-    kv = args.num_key_value_heads * args.head_dim
-    d, f = args.hidden_size, args.intermediate_size
-    kinds = {
-        "self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
-        "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d), "mlp.down_proj": (d, f),
-        "self_attn.qkv_proj": (q + 2 * kv, d), "mlp.gate_up_proj": (2 * f, d),
-    }  # fmt: skip
-    names = FUSED_LINEARS if args.fused else LINEARS
-    if args.num_experts:  # attention as usual; each expert's gate, up and down (the router stays dense)
-        fe = args.moe_intermediate_size
-        per = {"gate_proj": (fe, d), "up_proj": (fe, d), "down_proj": (d, fe)}
-        kinds |= {f"mlp.experts.{e}.{p}": shape for e in range(args.num_experts) for p, shape in per.items()}
-        names = LINEARS[:4] + tuple(f"mlp.experts.{e}.{p}" for e in range(args.num_experts) for p in per)
-    return {f"model.layers.{i}.{name}": kinds[name] for i in range(args.num_hidden_layers) for name in names}
+def linear_shapes(args: ModelArgs, deltanet: bool = False) -> dict[str, tuple[int, int]]:
+    """(N, K) of every linear the quantizer rounds, by prefix (block_linears' names in each layer), read off one
+    meta-device block of each layer kind: attention's, the MLP's or every expert's and the shared expert's, and
+    a Gated DeltaNet's projections with `deltanet` (empty_block's rule)."""
+    kinds: dict[str, dict[str, tuple[int, int]]] = {}
+    shapes = {}
+    for i in range(args.num_hidden_layers):
+        kind = args.layer_types[i] if args.layer_types else ""
+        if kind not in kinds:
+            with torch.device("meta"):
+                block = TransformerBlock(args, i)
+            block.quantize_deltanet = deltanet and block.linear
+            kinds[kind] = {n: tuple(block.get_submodule(n).weight.shape) for n in block_linears(block)}
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in kinds[kind].items()}
+    return shapes
 
 
 @torch.no_grad()
@@ -81,6 +80,7 @@ def sensitivity(
     group_size: int,
     sym: bool = True,
     *,
+    deltanet: bool = False,
     max_tokens: int = 256,
     max_positions: int = 256,
     progress: bool = True,
@@ -90,6 +90,7 @@ def sensitivity(
     tokens: int64 [n, T] calibration samples, of which the first `max_tokens` are used (whole samples, or the
     start of the first one): the pass runs the model once per linear, from that linear's layer on, so it costs
     about a hundred forward passes over them. KL is averaged over up to `max_positions` positions among them.
+    deltanet: a Gated DeltaNet's projections are scored too (they are quantized with `--quantize-deltanet`).
     """
     import time
 
@@ -104,8 +105,9 @@ def sensitivity(
     windows = args.layer_windows or (0,) * n_layers
     blocks = []
     for i in range(n_layers):
-        block = empty_block(args, "cpu")
-        block.self_attn.window = windows[i]  # each layer as the model runs it (Gemma's windows, norms, ropes)
+        block = empty_block(args, "cpu", i, deltanet=deltanet)  # each layer as the model runs it
+        if not block.linear:
+            block.self_attn.window = windows[i]  # (Gemma's windows, norms and ropes; Qwen3.5's DeltaNets)
         if args.num_experts:
             block.mlp.calibrate_all = (
                 False  # only the routed experts: nothing here needs inputs of the others
@@ -134,7 +136,7 @@ def sensitivity(
         inputs.append(block(inputs[-1], r))
     ref = logp(inputs[-1])
     kl: dict[str, float] = {}
-    shapes = linear_shapes(args)
+    shapes = linear_shapes(args, deltanet)
     bar = tqdm(total=len(shapes), desc="sensitivity", unit="linear", disable=not progress)
     for i, block in enumerate(blocks):
         for name in block_linears(block):
