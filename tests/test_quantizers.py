@@ -137,6 +137,31 @@ def test_gptq_beats_rtn_and_dequantizes_exactly(sym: bool, act_order: bool) -> N
         assert r.weight.g_idx is None
 
 
+@pytest.mark.parametrize("act_order", [False, True])
+def test_one_sweep_over_linears_of_one_input_equals_each_alone(act_order: bool) -> None:
+    """q, k and v (or gate and up) read one input: fasterquant_all sweeps their stacked rows once, and each
+    result is the one fasterquant gives that linear alone (codes, scales, settled weights, loss)."""
+    k = 128
+    x = _correlated_inputs(512, k, seed=6)
+    x[:, 3] = 0  # a dead input too
+    ws = [torch.randn(n, k, generator=_gen(7 + n)) for n in (48, 16, 16)]
+    together = GPTQ(k)
+    together.add_batch(x)
+    got = together.fasterquant_all(ws, 4, 32, False, act_order=act_order, block_size=48)
+    assert together.H is None
+    for w, r in zip(ws, got, strict=True):
+        alone = GPTQ(k)
+        alone.add_batch(x)
+        want = alone.fasterquant(w, 4, 32, False, act_order=act_order, block_size=48)
+        assert torch.allclose(r.wq, want.wq, atol=1e-6) and r.wq.shape == w.shape
+        assert torch.equal(r.weight.qweight, want.weight.qweight) and torch.equal(
+            r.weight.zeros, want.weight.zeros
+        )
+        assert torch.allclose(r.weight.scales.float(), want.weight.scales.float())
+        assert r.loss == pytest.approx(want.loss, rel=1e-4)
+        assert (r.weight.g_idx is None) == (not act_order)
+
+
 def test_gptq_static_groups_dead_columns_and_per_channel() -> None:
     k = 128
     x = _correlated_inputs(512, k, seed=3)

@@ -90,14 +90,40 @@ class GPTQ:
         Raises:
             ConfigError: bad bits/group_size, K not a multiple of group_size, or no calibration data.
         """
-        n_rows, k = w.shape
+        (r,) = self.fasterquant_all(
+            [w], bits, group_size, sym, act_order, damp_percent, block_size, static_groups, scale_dtype, name,
+            keep_hessian,
+        )  # fmt: skip
+        return r
+
+    def fasterquant_all(
+        self,
+        ws: list[torch.Tensor],
+        bits: int = 4,
+        group_size: int = 128,
+        sym: bool = True,
+        act_order: bool = False,
+        damp_percent: float = 0.01,
+        block_size: int = 128,
+        static_groups: bool = False,
+        scale_dtype: torch.dtype = torch.float16,
+        name: str = "weight",
+        keep_hessian: bool = False,
+    ) -> list[GPTQResult]:
+        """fasterquant for several linears that read this same input (q, k and v; gate and up), in one column
+        sweep over their rows stacked. GPTQ treats each row on its own (its group parameters, its rounding and
+        the error it feeds forward all stay in the row; H⁻¹ is shared), so each result is the one fasterquant
+        gives that linear alone, up to float rounding, and the sweep's per-column steps run once instead of
+        once per linear."""
+        k = ws[0].shape[1]
         g = check_quant_args(k, bits, group_size, name)
         if self.H is None or self.nsamples == 0:
             raise ConfigError(f"{name}: GPTQ needs calibration inputs; none reached this layer")
         H = self.H.clone() if keep_hessian else self.H
         if not keep_hessian:
             self.H = None
-        W = w.detach().to(H.device, torch.float32).clone()
+        W = torch.cat([w.detach().to(H.device, torch.float32) for w in ws])
+        n_rows = W.shape[0]
         quantizer = GroupQuantizer(bits, sym, scale_dtype)
 
         dead = torch.diag(H) == 0  # inputs that were always 0: their weights cannot matter, make them 0
@@ -120,7 +146,7 @@ class GPTQ:
 
         Q = torch.zeros_like(W)  # integer values, in processing order
         Wq = torch.zeros_like(W)
-        loss = torch.zeros((), device=W.device)
+        loss = torch.zeros(n_rows, device=W.device)  # each row's Σ err²
         scale = zero = None
         for i1 in range(0, k, block_size):
             i2 = min(i1 + block_size, k)
@@ -146,7 +172,7 @@ class GPTQ:
                 wq = quantizer.dequantize(q, scale, zero)
                 Q[:, col : col + 1], Wq[:, col : col + 1] = q, wq
                 err = (wcol - wq) / Hinv1[i, i]
-                loss += err.pow(2).sum()
+                loss += err[:, 0].square()
                 W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
                 Err1[:, i : i + 1] = err
             W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
@@ -157,14 +183,19 @@ class GPTQ:
             Q, Wq = Q[:, inv], Wq[:, inv]
             if not static_groups:
                 g_idx = (torch.arange(k, device=W.device) // g)[inv]
-        w0 = w.detach().to(Wq.device, torch.float32)  # W was updated in place; ΔW is from the original
-        delta = torch.where(dead[None, :], torch.zeros_like(Wq), w0 - Wq)
-        # Σ err² = tr(ΔW (H + λI) ΔWᵀ) exactly (OBS), and tr(ΔW H ΔWᵀ) = 2/n ‖ΔW X‖².
-        per_row = (float(loss) - lam * float(delta.pow(2).sum())) / 2
-        weight = to_quantized_weight(
-            Q, scales, zeros, quantizer, group_size, g_idx
-        ).with_trivial_g_idx_dropped()
-        return GPTQResult(weight, Wq, max(per_row, 0.0), damp)
+        results, start = [], 0
+        for w in ws:
+            rows = slice(start, start + w.shape[0])
+            start = rows.stop
+            w0 = w.detach().to(Wq.device, torch.float32)  # W was updated in place; ΔW is from the original
+            delta = torch.where(dead[None, :], torch.zeros_like(w0), w0 - Wq[rows])
+            # Σ err² = tr(ΔW (H + λI) ΔWᵀ) exactly (OBS), and tr(ΔW H ΔWᵀ) = 2/n ‖ΔW X‖².
+            per_row = (float(loss[rows].sum()) - lam * float(delta.pow(2).sum())) / 2
+            weight = to_quantized_weight(
+                Q[rows], scales[rows], zeros[rows], quantizer, group_size, g_idx
+            ).with_trivial_g_idx_dropped()
+            results.append(GPTQResult(weight, Wq[rows], max(per_row, 0.0), damp))
+        return results
 
     def round_to_grid(
         self,

@@ -229,14 +229,18 @@ def quantize_block_gptq(block: TransformerBlock, hidden, rope, opt: QuantizeOpti
         hooked = sorted({same_input(n) for n in group})
         gptq = {n: GPTQ(block.get_submodule(n).in_features) for n in hooked}
         capture(block, hidden, rope, hooked, lambda n, x, gptq=gptq: gptq[n].add_batch(x), opt.batch_size)
+        # the linears that read one input at one setting share a column sweep (q|k|v, gate|up)
+        sweeps: dict[tuple[str, tuple[int, int]], list[str]] = {}
         for name in group:
-            src = same_input(name)
-            last = all(same_input(m) != src for m in group[group.index(name) + 1 :])
-            r = gptq[src].fasterquant(
-                block.get_submodule(name).weight, *opt.bits_for(name), opt.sym, opt.act_order,
-                opt.damp_percent, static_groups=opt.static_groups, scale_dtype=opt.scale_dtype, name=name,
-                keep_hessian=not last,
+            sweeps.setdefault((same_input(name), opt.bits_for(name)), []).append(name)
+        keys = list(sweeps)
+        for i, ((src, (bits, group_size)), names) in enumerate(sweeps.items()):
+            results = gptq[src].fasterquant_all(
+                [block.get_submodule(n).weight for n in names], bits, group_size, opt.sym, opt.act_order,
+                opt.damp_percent, static_groups=opt.static_groups, scale_dtype=opt.scale_dtype,
+                name=", ".join(names), keep_hessian=any(s == src for s, _ in keys[i + 1 :]),
             )  # fmt: skip
-            out[name] = r.weight, r.loss
-            block.get_submodule(name).weight.copy_(r.wq)
+            for name, r in zip(names, results, strict=True):
+                out[name] = r.weight, r.loss
+                block.get_submodule(name).weight.copy_(r.wq)
     return out
