@@ -23,7 +23,7 @@ def quantized(smollm2_hf, tmp_path_factory):
     out = tmp_path_factory.mktemp("quantized")
     return {
         m: quantize_checkpoint(
-            smollm2_hf, out / m, m, group_size=64, n_samples=2, seq_len=256, progress=False
+            smollm2_hf, out / m, m, group_size=64, n_samples=1, seq_len=128, progress=False
         ).path
         for m in ("gptq", "awq")
     }
