@@ -134,20 +134,65 @@ def _mxfp4_gemm(
              mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
 
 
-# The plain helpers; _kernel binds the names the kernel calls them by to their Triton wrappers.
+def _mxfp4_moe_gemm(
+    x_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, rw_ptr, slots_ptr, expert_ptr, npad_ptr, N, K, n_slots, top_k,
+    stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, GATHER_TOKENS: tl.constexpr, ROUTED_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Every expert's slots at once (w4a16_moe.py's layout): out[slot, n] = x[row(slot)] W_e[n] (+ bias_e[n]),
+    times the slot's routed weight, for the BLOCK_M slots of this block, all of expert e; W_e is expert e's MXFP4
+    weight, decoded as _mxfp4_gemm decodes it."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    slots = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    m_mask = slots < n_slots  # padding holds n_slots
+    rows = (slots // top_k if GATHER_TOKENS else slots).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    j = tl.arange(0, BLOCK_K // 2)
+    b_e = b_ptr + e * N * (K // 2)  # expert e's [N, K/32, 16] bytes and [N, K/32] scales
+    s_e = s_ptr + e * N * (K // 32)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + 2 * j
+        k_mask = kk < K
+        xmask = m_mask[:, None] & k_mask[None, :]
+        xe = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=xmask, other=0.0)
+        xo = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :] + 1, mask=xmask, other=0.0)
+        wmask = k_mask[:, None] & n_mask[None, :]
+        byte = tl.load(b_e + n[None, :] * (K // 2) + (k0 // 2 + j)[:, None], mask=wmask, other=0)
+        sc = tl.load(s_e + n[None, :] * (K // 32) + (kk // 32)[:, None], mask=wmask, other=127)
+        scale = tl.exp2(sc.to(tl.float32) - 127.0)
+        acc += tl.dot(_act(xe, F32_DOT), _weight(byte & 0x0F, scale, xe, F32_DOT), input_precision=DOT_PRECISION,
+                      out_dtype=tl.float32)  # fmt: skip
+        acc += tl.dot(_act(xo, F32_DOT), _weight(byte >> 4, scale, xo, F32_DOT), input_precision=DOT_PRECISION,
+                      out_dtype=tl.float32)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * N + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if ROUTED_WEIGHT:
+        acc *= tl.load(rw_ptr + slots, mask=m_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + slots[:, None].to(tl.int64) * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])  # fmt: skip
+
+
+# The plain helpers; _kernel binds the names the kernels call them by to their Triton wrappers.
 _HELPERS = {"_weight": _weight, "_act": _act}
 
 
-def _kernel(interpret: bool) -> Any:
-    """The GEMM as a Triton function, wrapped on first use and keyed by the interpreter flag (as w4a16_jit.py),
-    its helpers bound to the same kind of wrapper under the names it calls."""
-    kernel, helpers = _wrapped(interpret)
+def _kernel(interpret: bool, name: str = "gemm") -> Any:
+    """A kernel ("gemm" or "moe") as a Triton function, wrapped on first use and keyed by the interpreter flag
+    (as w4a16_jit.py), its helpers bound to the same kind of wrapper under the names it calls."""
+    kernels, helpers = _wrapped(interpret)
     globals().update(helpers)
-    return kernel
+    return kernels[name]
 
 
 @functools.cache
-def _wrapped(interpret: bool) -> tuple[Any, dict[str, Any]]:
+def _wrapped(interpret: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     global tl
     import triton.language
     from triton.runtime.interpreter import InterpretedFunction
@@ -155,7 +200,8 @@ def _wrapped(interpret: bool) -> tuple[Any, dict[str, Any]]:
 
     tl = triton.language
     wrap = InterpretedFunction if interpret else JITFunction
-    return wrap(_mxfp4_gemm), {name: wrap(fn) for name, fn in _HELPERS.items()}
+    kernels = {"gemm": wrap(_mxfp4_gemm), "moe": wrap(_mxfp4_moe_gemm)}
+    return kernels, {name: wrap(fn) for name, fn in _HELPERS.items()}
 
 
 def can_run(device: torch.device) -> bool:
@@ -193,5 +239,44 @@ def mxfp4_linear(
         HAS_BIAS=bias is not None, F32_DOT=interp and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interp else "tf32",
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def mxfp4_moe_gemm(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    block_m: int,
+    top_k: int,
+    out_rows: int,
+    routed_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Every expert's MXFP4 matmul in one launch: [out_rows, N] in x's dtype, row `slot` x[slot // top_k] (top_k
+    > 0: x holds the tokens) or x[slot] (top_k == 0: a row per slot) times W_e^T, plus bias[e], times
+    routed_weights[slot] when given; e is the slot's expert. blocks [E, N, K/32, 16] and scales [E, N, K/32] as
+    gpt-oss ships them, bias [E, N]; `aligned` is align_by_expert(topk_ids, E, block_m) (kernels/w4a16_moe.py),
+    block_m at least 16 (a tensor-core tile)."""
+    check_shapes(blocks, scales, "experts")
+    n_exp, n, kb, _ = blocks.shape
+    k = kb * BLOCK
+    if x.shape[-1] != k or block_m < 16 or (bias is not None and tuple(bias.shape) != (n_exp, n)):
+        raise ValueError(f"x has {x.shape[-1]} columns for K = {k}, block_m {block_m} must be at least 16, and "
+                         f"bias must be [{n_exp}, {n}]")  # fmt: skip
+    sorted_slots, block_expert, n_padded = aligned
+    x, blocks, scales = x.contiguous(), blocks.contiguous(), scales.contiguous()
+    out = torch.empty(out_rows, n, device=x.device, dtype=x.dtype)  # every slot's row is written once
+    interp = x.device.type == "cpu"
+    rw = routed_weights.reshape(-1).contiguous() if routed_weights is not None else sorted_slots
+    grid = (sorted_slots.numel() // block_m, -(-n // 64))
+    _kernel(interp, "moe")[grid](
+        x, blocks, scales, bias if bias is not None else x, out, rw, sorted_slots, block_expert, n_padded, n, k,
+        out_rows, max(top_k, 1), x.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATHER_TOKENS=top_k > 0, ROUTED_WEIGHT=routed_weights is not None,
+        F32_DOT=interp and x.dtype != torch.float32,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or interp else "tf32",
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4 if block_m <= 32 else 8,
     )  # fmt: skip
     return out

@@ -44,6 +44,30 @@ def test_mxfp4_gemm_equals_dequantize_then_matmul(dtype, m, n, k):
     check_mxfp4_gemm(GPU, dtype, m, n, k)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_grouped_mxfp4_experts_at_gpt_oss_sizes(tokens):
+    """kernels/mxfp4.py's grouped GEMM compiled for the GPU, at gpt-oss-20b's gate_up (N 5760, K 2880) with 8
+    experts, top 4, in bf16: each slot's row against its expert's dequantized weight and bias in fp32."""
+    from quantserve.kernels.w4a16_moe import align_by_expert, choose_block_m
+
+    gen = torch.Generator().manual_seed(tokens)
+    n_exp, top_k, n, k = 8, 4, 5760, 2880
+    blocks, scales = mxfp4.quantize(torch.randn(n_exp, n, k, generator=gen))
+    bias = torch.randn(n_exp, n, generator=gen)
+    x = torch.randn(tokens, k, generator=gen)
+    chosen = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(tokens)])
+    block_m = max(16, choose_block_m(tokens * top_k, n_exp))
+    aligned = tuple(t.to(GPU) for t in align_by_expert(chosen, n_exp, block_m))
+    got = mxfp4.mxfp4_moe_gemm(x.to(GPU, torch.bfloat16), blocks.to(GPU), scales.to(GPU),
+                               bias.to(GPU, torch.bfloat16), aligned, block_m, top_k, tokens * top_k).float()  # fmt: skip
+    w = mxfp4.dequantize(blocks.to(GPU), scales.to(GPU))
+    xb = x.to(GPU, torch.bfloat16).float()
+    want = torch.stack([xb[s // top_k] @ w[e].T for s, e in enumerate(chosen.flatten().tolist())])
+    want += bias.to(GPU, torch.bfloat16).float()[chosen.flatten().to(GPU)]
+    rel = ((got - want).abs() / (want.abs() * 2.0**-7 + want.abs().max() * 1e-3)).max()
+    assert rel < 1, rel
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [0, 128])
 def test_paged_decode_with_sinks(dtype, window):

@@ -181,6 +181,57 @@ def test_mxfp4_kernel_equals_dequantize_then_matmul(dtype, m, monkeypatch):
     assert ((got.float() - want).abs() / (want.abs() * rounding + want.abs().max() * 1e-3)).max() < 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_mxfp4_experts_equal_dequantize_then_matmul(dtype, tokens, monkeypatch):
+    """Every expert in one launch (kernels/mxfp4.py's grouped GEMM): each slot's row is its token times its
+    expert's dequantized weight, plus that expert's bias, times the slot's routed weight; rows of tokens (top_k)
+    and rows of slots (top_k 0) both."""
+    from quantserve.kernels.w4a16_moe import align_by_expert
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(tokens)
+    n_exp, top_k, n, k = 5, 2, 96, 160
+    blocks, scales = mxfp4.quantize(torch.randn(n_exp, n, k, generator=gen))
+    bias = torch.randn(n_exp, n, generator=gen).to(dtype)
+    x = torch.randn(tokens, k, generator=gen).to(dtype)
+    chosen = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(tokens)])
+    routed = torch.rand(tokens, top_k, generator=gen)
+    aligned = align_by_expert(chosen, n_exp, 16)
+    w = mxfp4.dequantize(blocks, scales)
+    slot_x = x.float().repeat_interleave(top_k, 0)  # slot s is token s // top_k
+    want = torch.stack(
+        [slot_x[s] @ w[e].T + bias[e].float() for s, e in enumerate(chosen.flatten().tolist())]
+    )
+    rounding = 0.0 if dtype == torch.float32 else 2.0**-7
+    for got, scale in (
+        (mxfp4.mxfp4_moe_gemm(x, blocks, scales, bias, aligned, 16, top_k, tokens * top_k), None),
+        (mxfp4.mxfp4_moe_gemm(slot_x.to(dtype), blocks, scales, bias, aligned, 16, 0, tokens * top_k, routed),
+         routed.reshape(-1, 1)),
+    ):  # fmt: skip
+        ref = want if scale is None else want * scale
+        assert got.dtype == dtype and got.shape == ref.shape
+        assert ((got.float() - ref).abs() / (ref.abs() * rounding + ref.abs().max() * 1e-3)).max() < 1
+
+
+def test_grouped_experts_give_transformers_logits(checkpoints, monkeypatch):
+    """The model with its MXFP4 experts grouped (as on CUDA; here under Triton's interpreter) gives transformers'
+    prompt logits, as the loop over experts does."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = load_model(detect(checkpoints["mxfp4"]), dtype=torch.float32, device=CPU)
+    ids = torch.tensor([LONG])
+    calls = []
+    grouped = mxfp4.mxfp4_moe_gemm
+    monkeypatch.setattr(mxfp4, "mxfp4_moe_gemm", lambda *a, **kw: calls.append(1) or grouped(*a, **kw))
+    for layer in model.model.layers:
+        layer.mlp.grouped = True
+    with torch.no_grad():
+        want = _reference(checkpoints, "mxfp4")(ids).logits[0]
+        got = model.compute_logits(model(ids)[0])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    assert len(calls) == 2 * len(model.model.layers)  # two launches a layer, whatever the experts chosen
+
+
 def test_mxfp4_dequantize_matches_transformers_and_quantize_is_close():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 

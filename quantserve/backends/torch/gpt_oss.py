@@ -68,11 +68,32 @@ class OssMoe(nn.Module):
         self.router = nn.Linear(hidden, n, bias=True)
         self.experts = OssExperts(n, hidden, ff, alpha, limit, packed)
         self.top_k = top_k
+        self.grouped = False  # on the CPU too (under Triton's interpreter: tests); CUDA always groups MXFP4
+
+    def _grouped(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert in two launches (kernels/mxfp4.py's grouped GEMM, w4a16_moe.py's slot layout): no host
+        sync on the chosen experts, unlike the loop."""
+        from quantserve.kernels.w4a16_moe import align_by_expert, choose_block_m
+
+        ex = self.experts
+        n_exp, slots = ex.gate_up_proj_blocks.shape[0], chosen.numel()
+        block_m = max(16, choose_block_m(slots, n_exp))
+        aligned = align_by_expert(chosen, n_exp, block_m)
+        h = mxfp4.mxfp4_moe_gemm(flat, ex.gate_up_proj_blocks, ex.gate_up_proj_scales, ex.gate_up_proj_bias,
+                                 aligned, block_m, self.top_k, slots)  # fmt: skip
+        gate = h[:, 0::2].clamp(max=ex.limit)
+        up = h[:, 1::2].clamp(-ex.limit, ex.limit)
+        act = (up + 1) * gate * torch.sigmoid(gate * ex.alpha)
+        y = mxfp4.mxfp4_moe_gemm(act, ex.down_proj_blocks, ex.down_proj_scales, ex.down_proj_bias, aligned,
+                                 block_m, 0, slots, weights)  # fmt: skip
+        return y.view(-1, self.top_k, y.shape[-1]).sum(1, dtype=torch.float32).to(flat.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         top, chosen = self.router(flat).topk(self.top_k, dim=-1)
         weights = F.softmax(top.float(), dim=-1).to(flat.dtype)
+        if self.experts.packed and _TRITON and (flat.is_cuda or self.grouped):
+            return self._grouped(flat, chosen, weights).reshape(x.shape)
         out = torch.zeros_like(flat)
         for e in chosen.unique().tolist():  # the chosen experts, read on the host: no CUDA graph
             rows, slot = (chosen == e).nonzero(as_tuple=True)
