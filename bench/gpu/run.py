@@ -73,6 +73,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     moe_decode = decode + ["--shape", "qwen3-30b-a3b"]
     gemma_decode = decode + ["--shape", "gemma3-12b"]
     deltanet = [py, str(ROOT / "bench/deltanet_kernels.py"), "--out", str(out / "deltanet.json")]
+    oss_moe = [py, str(ROOT / "bench/mxfp4_moe.py"), "--out", str(out / "oss-moe.json")]
     tp = Step("tp-nccl", [py, str(ROOT / "bench/gpu/tp_nccl.py"), "--out", str(out / "tp-nccl.json")], 90,
               "tp-nccl.json")  # fmt: skip
     env = Step("env", [py, str(ROOT / "bench/gpu/env_info.py"), str(out / "env.json")], 30, "env.json")
@@ -114,6 +115,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
                 "gemma-decode.json",
             ),  # fmt: skip
             Step("deltanet", deltanet + ["--cpu-smoke"], 120, "deltanet.json"),
+            Step("oss-moe", oss_moe + ["--cpu-smoke"], 120, "oss-moe.json"),
             tp,
         ]
     # The numbers first: a step that overruns only cuts what comes after it.
@@ -133,6 +135,8 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
         Step("deltanet", deltanet, 60, "deltanet.json"),
         # a mixture of experts: one Qwen3-30B-A3B layer against its peers, then decode of 12 of its 48 layers
         Step("moe-layer", moe + ["--out", str(out / "moe-layer.json")], 90, "moe-layer.json"),
+        # gpt-oss: one gpt-oss-20b MoE layer, its MXFP4 experts grouped against the loop and the bf16 peers
+        Step("oss-moe", oss_moe, 90, "oss-moe.json"),
         Step(
             "moe-decode",
             moe_decode + ["--layers", "12", "--batches", "1,16,64", "--out", str(out / "moe-decode.json")],

@@ -70,7 +70,7 @@ class OssMoe(nn.Module):
         self.top_k = top_k
         self.grouped = False  # on the CPU too (under Triton's interpreter: tests); CUDA always groups MXFP4
 
-    def _grouped(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def run_grouped(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert in two launches (kernels/mxfp4.py's grouped GEMM, w4a16_moe.py's slot layout): no host
         sync on the chosen experts, unlike the loop."""
         from quantserve.kernels.w4a16_moe import align_by_expert, choose_block_m
@@ -93,9 +93,13 @@ class OssMoe(nn.Module):
         top, chosen = self.router(flat).topk(self.top_k, dim=-1)
         weights = F.softmax(top.float(), dim=-1).to(flat.dtype)
         if self.experts.packed and _TRITON and (flat.is_cuda or self.grouped):
-            return self._grouped(flat, chosen, weights).reshape(x.shape)
+            return self.run_grouped(flat, chosen, weights).reshape(x.shape)
+        return self.run_loop(flat, chosen, weights).reshape(x.shape)
+
+    def run_loop(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert by expert, the chosen ones read on the host (no CUDA graph): the CPU's path and bf16 experts'."""
         out = torch.zeros_like(flat)
-        for e in chosen.unique().tolist():  # the chosen experts, read on the host: no CUDA graph
+        for e in chosen.unique().tolist():
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             out.index_add_(0, rows, self.experts.expert(flat[rows], e) * weights[rows, slot, None])
-        return out.reshape(x.shape)
+        return out
