@@ -266,7 +266,10 @@ def mxfp4_moe_gemm(
         raise ValueError(f"x has {x.shape[-1]} columns for K = {k}, block_m {block_m} must be at least 16, and "
                          f"bias must be [{n_exp}, {n}]")  # fmt: skip
     sorted_slots, block_expert, n_padded = aligned
+    if sorted_slots.numel() % block_m or block_expert.numel() != sorted_slots.numel() // block_m:
+        raise ValueError(f"`aligned` is not align_by_expert's output for block_m {block_m}")
     x, blocks, scales = x.contiguous(), blocks.contiguous(), scales.contiguous()
+    bias = None if bias is None else bias.contiguous()
     out = torch.empty(out_rows, n, device=x.device, dtype=x.dtype)  # every slot's row is written once
     interp = x.device.type == "cpu"
     rw = routed_weights.reshape(-1).contiguous() if routed_weights is not None else sorted_slots

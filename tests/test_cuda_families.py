@@ -44,28 +44,36 @@ def test_mxfp4_gemm_equals_dequantize_then_matmul(dtype, m, n, k):
     check_mxfp4_gemm(GPU, dtype, m, n, k)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 300])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 300])
 def test_grouped_mxfp4_experts_at_gpt_oss_sizes(tokens):
     """kernels/mxfp4.py's grouped GEMM compiled for the GPU, at gpt-oss-20b's gate_up (N 5760, K 2880) with 8
-    experts, top 4, in bf16: each slot's row against its expert's dequantized weight and bias in fp32."""
+    experts, top 4, in bf16 (16, 32 and 64 rows a block): each slot's row against its expert's dequantized weight
+    and bias in fp32, from the tokens, and from a row per slot times its routed weight (the down projection's
+    form)."""
     from quantserve.kernels.w4a16_moe import align_by_expert, choose_block_m
 
-    gen = torch.Generator().manual_seed(tokens)
+    gen = torch.Generator(device=GPU).manual_seed(tokens)
     n_exp, top_k, n, k = 8, 4, 5760, 2880
-    blocks, scales = mxfp4.quantize(torch.randn(n_exp, n, k, generator=gen))
-    bias = torch.randn(n_exp, n, generator=gen)
-    x = torch.randn(tokens, k, generator=gen)
-    chosen = torch.stack([torch.randperm(n_exp, generator=gen)[:top_k] for _ in range(tokens)])
+    parts = [mxfp4.quantize(torch.randn(n, k, generator=gen, device=GPU)) for _ in range(n_exp)]
+    blocks, scales = torch.stack([b for b, _ in parts]), torch.stack([s for _, s in parts])
+    bias = torch.randn(n_exp, n, generator=gen, device=GPU).bfloat16()
+    x = torch.randn(tokens, k, generator=gen, device=GPU).bfloat16()
+    chosen = torch.stack([torch.randperm(n_exp, generator=gen, device=GPU)[:top_k] for _ in range(tokens)])
+    routed = torch.rand(tokens * top_k, generator=gen, device=GPU)
     block_m = max(16, choose_block_m(tokens * top_k, n_exp))
-    aligned = tuple(t.to(GPU) for t in align_by_expert(chosen, n_exp, block_m))
-    got = mxfp4.mxfp4_moe_gemm(x.to(GPU, torch.bfloat16), blocks.to(GPU), scales.to(GPU),
-                               bias.to(GPU, torch.bfloat16), aligned, block_m, top_k, tokens * top_k).float()  # fmt: skip
-    w = mxfp4.dequantize(blocks.to(GPU), scales.to(GPU))
-    xb = x.to(GPU, torch.bfloat16).float()
-    want = torch.stack([xb[s // top_k] @ w[e].T for s, e in enumerate(chosen.flatten().tolist())])
-    want += bias.to(GPU, torch.bfloat16).float()[chosen.flatten().to(GPU)]
-    rel = ((got - want).abs() / (want.abs() * 2.0**-7 + want.abs().max() * 1e-3)).max()
-    assert rel < 1, rel
+    aligned = align_by_expert(chosen, n_exp, block_m)
+    experts = chosen.flatten()
+    slot_x = x.float().repeat_interleave(top_k, 0)
+    want = torch.empty(tokens * top_k, n, device=GPU)
+    for e in range(n_exp):  # (one expert's fp32 weight at a time: 66 MB)
+        mine = experts == e
+        want[mine] = slot_x[mine] @ mxfp4.dequantize(blocks[e], scales[e]).T + bias[e].float()
+    by_tokens = mxfp4.mxfp4_moe_gemm(x, blocks, scales, bias, aligned, block_m, top_k, tokens * top_k)
+    by_slots = mxfp4.mxfp4_moe_gemm(slot_x.bfloat16(), blocks, scales, bias, aligned, block_m, 0, tokens * top_k,
+                                    routed)  # fmt: skip
+    for got, ref in ((by_tokens, want), (by_slots, want * routed[:, None])):
+        rel = ((got.float() - ref).abs() / (ref.abs() * 2.0**-7 + ref.abs().max() * 1e-3)).max()
+        assert rel < 1, (block_m, rel)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

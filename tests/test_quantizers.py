@@ -144,7 +144,7 @@ def test_one_sweep_over_linears_of_one_input_equals_each_alone(act_order: bool) 
     k = 128
     x = _correlated_inputs(512, k, seed=6)
     x[:, 3] = 0  # a dead input too
-    ws = [torch.randn(n, k, generator=_gen(7 + n)) for n in (48, 16, 16)]
+    ws = [torch.randn(n, k, generator=_gen(7 + i)) for i, n in enumerate((48, 16, 16))]
     together = GPTQ(k)
     together.add_batch(x)
     got = together.fasterquant_all(ws, 4, 32, False, act_order=act_order, block_size=48)

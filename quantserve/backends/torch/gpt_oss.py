@@ -71,8 +71,8 @@ class OssMoe(nn.Module):
         self.grouped = False  # on the CPU too (under Triton's interpreter: tests); CUDA always groups MXFP4
 
     def run_grouped(self, flat: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert in two launches (kernels/mxfp4.py's grouped GEMM, w4a16_moe.py's slot layout): no host
-        sync on the chosen experts, unlike the loop."""
+        """Every expert in two GEMM launches (kernels/mxfp4.py's grouped GEMM, w4a16_moe.py's slot layout): no
+        host sync on the chosen experts, unlike the loop."""
         from quantserve.kernels.w4a16_moe import align_by_expert, choose_block_m
 
         ex = self.experts

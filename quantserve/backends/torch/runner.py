@@ -170,10 +170,11 @@ class TorchRunner:
                 for x in model.model.layers
             )  # (DeltaNet layers run each sequence's state on its own)
             if looped or dict(a.rope_scaling).get("rope_type") == "longrope":
-                # experts looped over route on the host; LongRoPE picks its table by the step's longest position
+                # experts looped over route on the host (gpt-oss's grouped MXFP4 experts do not, but their graphs
+                # have not been checked on a GPU yet); LongRoPE picks its table by the step's longest position
                 log.info(
                     "this model's decode step runs without CUDA graphs (experts that are not all on the grouped "
-                    "W4A16 kernel, DeltaNet layers, or LongRoPE)"
+                    "W4A16 kernel, gpt-oss's experts, DeltaNet layers, or LongRoPE)"
                 )
             else:
                 self.graphs = self.decode_graphs(capture=True)
