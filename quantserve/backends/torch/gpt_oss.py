@@ -5,8 +5,8 @@ Under the checkpoint's own names (transformers' GptOssMLP): `mlp.router.{weight,
 `mlp.experts.down_proj` [E, ff, hidden], each with a `_bias` [E, out]. The released checkpoints ship the two
 projections as MXFP4 instead (`gate_up_proj_blocks` / `_scales` [E, 2 * ff, hidden / 32, (16)] and `down_proj_…`,
 each expert's weight in the [out, in] layout of a linear; kernels/mxfp4.py). They are kept as they ship: 4.25 bits
-a weight in memory, decoded one expert at a time in the matmul (the Triton kernel on CUDA, a transient dequantize
-on the CPU), never expanded at load.
+a weight in memory, decoded in the matmul, never expanded at load: on CUDA every expert of a layer at once (the
+grouped Triton kernel, no host sync on the routing), on the CPU one expert at a time (a transient dequantize).
 
 The router takes each token's top-k logits and softmaxes them (the same weights as a softmax over all experts
 renormalised over the top k). An expert computes, for h = x W_gate_up + b: gate = min(h_even, limit),
