@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -150,6 +151,15 @@ def run(shape: dict, tokens: list[int], device: str, interpret: bool) -> list[di
     return rows_out
 
 
+def cell(c: dict | None) -> str:
+    """A table cell of one peer's result: "ms (relative error)", "-" where not run, "error" where it failed."""
+    if c is None:
+        return "-"
+    if "error" in c:
+        return "error"
+    return f"{'-' if c['ms'] is None else format(c['ms'], '.3f')} ({c['rel_err']:.1e})"
+
+
 def markdown(report: dict) -> str:
     names = ["grouped int4", "loop int4", "loop fp16", "grouped_mm bf16"]
     out = [
@@ -159,16 +169,7 @@ def markdown(report: dict) -> str:
         "|---" * (len(names) + 3) + "|",
     ]
     for r in report["rows"]:
-        cells = []
-        for n in names:
-            c = r.get(n)
-            if c is None:
-                cells.append("-")
-            elif "error" in c:
-                cells.append("error")
-            else:
-                ms = "-" if c["ms"] is None else f"{c['ms']:.3f}"
-                cells.append(f"{ms} ({c['rel_err']:.1e})")
+        cells = [cell(r.get(n)) for n in names]
 
         def ratio(peer: str, r=r) -> str:
             a, b = r.get("grouped int4", {}).get("ms"), r.get(peer, {}).get("ms")
@@ -179,9 +180,10 @@ def markdown(report: dict) -> str:
     return "\n".join(out)
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str = __doc__) -> argparse.ArgumentParser:
+    """The command line of this bench and bench/mxfp4_moe.py (tests/test_gpu_script.py parses bench/gpu/run.py's
+    commands with it)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny layer on the CPU, Triton interpreted")
     ap.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=TOKENS,
                     help="token counts (default 1,4,16,64,256,1024)")  # fmt: skip
@@ -189,8 +191,17 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = parser()
+def bench_main(
+    argv: list[str] | None,
+    ap: argparse.ArgumentParser,
+    shape: dict,
+    run_rows: Callable[[dict, list[int], str], list[dict]],
+    to_markdown: Callable[[dict], str],
+    checked: tuple[str, ...],
+    tol: float,
+) -> int:
+    """Run a MoE layer bench: `shape` on the GPU, or a tiny layer under Triton's interpreter with --cpu-smoke;
+    print the table, write the report (--out), and fail unless every `checked` peer is within `tol` of fp32."""
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     if args.cpu_smoke:
@@ -199,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             ap.error("no CUDA GPU here; use --cpu-smoke")
-        shape, device, tokens = SHAPE, "cuda", args.tokens
-    rows = run(shape, tokens, device, interpret=args.cpu_smoke)
+        device, tokens = "cuda", args.tokens
+    rows = run_rows(shape, tokens, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1)"
     report = {
         "device": name,
@@ -210,15 +221,20 @@ def main(argv: list[str] | None = None) -> int:
         "host": platform.node(),
     }
     report["wall_s"] = round(time.monotonic() - t0, 1)
-    report["markdown"] = markdown(report)
+    report["markdown"] = to_markdown(report)
     print(report["markdown"])
-    # ours and the loops must be right; torch's grouped_mm is a peer that this torch or GPU may lack
-    ok = all(
-        r[n].get("rel_err", 1.0) < 2e-3 for r in rows for n in ("grouped int4", "loop int4", "loop fp16")
-    )
+    ok = all(r[n].get("rel_err", 1.0) < tol for r in rows for n in checked)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    # ours and the loops must be right; torch's grouped_mm is a peer that this torch or GPU may lack
+    return bench_main(
+        argv, parser(), SHAPE, lambda shape, tokens, device: run(shape, tokens, device, device == "cpu"),
+        markdown, ("grouped int4", "loop int4", "loop fp16"), 2e-3,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

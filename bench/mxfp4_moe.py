@@ -22,25 +22,21 @@ the output sits near 4e-3).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe_gemm import event_ms, graph_ms  # noqa: E402
+import moe_gemm  # noqa: E402
+from moe_gemm import cell, event_ms, graph_ms  # noqa: E402
 
 from quantserve.backends.torch.gpt_oss import OssMoe  # noqa: E402
 from quantserve.kernels import mxfp4  # noqa: E402
 from quantserve.kernels.reference import relative_error  # noqa: E402
 
 SHAPE = {"hidden": 2880, "inter": 2880, "experts": 32, "top_k": 4}  # gpt-oss-20b (config.json)
-TOKENS = [1, 4, 16, 64, 256, 1024]
 ALPHA, LIMIT = 1.702, 7.0  # gpt-oss's clamped SwiGLU
 
 
@@ -145,13 +141,7 @@ def markdown(report: dict) -> str:
         "|---" * (len(names) + 5) + "|",
     ]
     for r in report["rows"]:
-        cells = []
-        for n in names:
-            c = r.get(n)
-            if c is None or "error" in c:
-                cells.append("-" if c is None else "error")
-            else:
-                cells.append(f"{'-' if c['ms'] is None else format(c['ms'], '.3f')} ({c['rel_err']:.1e})")
+        cells = [cell(r.get(n)) for n in names]
 
         def ratio(peer: str, r=r) -> str:
             a, b = r.get("grouped mxfp4", {}).get("ms"), r.get(peer, {}).get("ms")
@@ -165,45 +155,14 @@ def markdown(report: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu-smoke", action="store_true", help="a tiny layer on the CPU, Triton interpreted")
-    ap.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=TOKENS,
-                    help="token counts (default 1,4,16,64,256,1024)")  # fmt: skip
-    ap.add_argument("--out", help="write the results as JSON here")
-    return ap
+    return moe_gemm.parser(__doc__)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    args = ap.parse_args(argv)
-    t0 = time.monotonic()
-    if args.cpu_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-        shape, device, tokens = {"hidden": 128, "inter": 64, "experts": 8, "top_k": 2}, "cpu", [1, 4, 16]
-    else:
-        if not torch.cuda.is_available():
-            ap.error("no CUDA GPU here; use --cpu-smoke")
-        shape, device, tokens = SHAPE, "cuda", args.tokens
-    rows = run(shape, tokens, device)
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (TRITON_INTERPRET=1)"
-    report = {
-        "device": name,
-        "shape": shape,
-        "torch": torch.__version__,
-        "rows": rows,
-        "host": platform.node(),
-    }
-    report["wall_s"] = round(time.monotonic() - t0, 1)
-    report["markdown"] = markdown(report)
-    print(report["markdown"])
     # ours and the loops must be right (bf16 outputs); torch's grouped_mm is a peer this torch or GPU may lack
-    ok = all(
-        r[n].get("rel_err", 1.0) < 1e-2 for r in rows for n in ("grouped mxfp4", "loop mxfp4", "loop bf16")
+    return moe_gemm.bench_main(
+        argv, parser(), SHAPE, run, markdown, ("grouped mxfp4", "loop mxfp4", "loop bf16"), 1e-2
     )
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

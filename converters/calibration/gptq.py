@@ -65,35 +65,10 @@ class GPTQ:
         """Like fasterquant, returning only the QuantizedWeight."""
         return self.fasterquant(w, bits, group_size, sym, **kw).weight
 
-    def fasterquant(
-        self,
-        w: torch.Tensor,
-        bits: int = 4,
-        group_size: int = 128,
-        sym: bool = True,
-        act_order: bool = False,
-        damp_percent: float = 0.01,
-        block_size: int = 128,
-        static_groups: bool = False,
-        scale_dtype: torch.dtype = torch.float16,
-        name: str = "weight",
-        keep_hessian: bool = False,
-    ) -> GPTQResult:
-        """Quantize w [N, K] (nn.Linear layout) against the accumulated Hessian; frees the Hessian.
-
-        act_order processes columns by decreasing diag(H), forming groups in that order (g_idx records them;
-        docs/quantized-checkpoints.md, "GPTQ act-order and g_idx"); static_groups fixes every group's
-        parameters up front on the natural column order, so that g_idx stays trivial (and is dropped).
-        keep_hessian leaves H in place for another linear that reads the same input (q/k/v, gate/up);
-        otherwise it is freed.
-
-        Raises:
-            ConfigError: bad bits/group_size, K not a multiple of group_size, or no calibration data.
-        """
-        (r,) = self.fasterquant_all(
-            [w], bits, group_size, sym, act_order, damp_percent, block_size, static_groups, scale_dtype, name,
-            keep_hessian,
-        )  # fmt: skip
+    def fasterquant(self, w: torch.Tensor, *args, **kw) -> GPTQResult:
+        """Quantize w [N, K] (nn.Linear layout) against the accumulated Hessian: fasterquant_all of one linear,
+        with the same arguments after `w`."""
+        (r,) = self.fasterquant_all([w], *args, **kw)
         return r
 
     def fasterquant_all(
@@ -110,11 +85,20 @@ class GPTQ:
         name: str = "weight",
         keep_hessian: bool = False,
     ) -> list[GPTQResult]:
-        """fasterquant for several linears that read this same input (q, k and v; gate and up), in one column
-        sweep over their rows stacked. GPTQ treats each row on its own (its group parameters, its rounding and
-        the error it feeds forward all stay in the row; H⁻¹ is shared), so each result is the one fasterquant
-        gives that linear alone, up to float rounding, and the sweep's per-column steps run once instead of
-        once per linear."""
+        """Quantize the linears `ws` [N_i, K], which all read this Hessian's input (q, k and v; gate and up), in
+        one column sweep over their rows stacked; frees the Hessian. GPTQ treats each row on its own (its group
+        parameters, its rounding and the error it feeds forward all stay in the row; H⁻¹ is shared), so each
+        result is the one that linear gets alone, up to float rounding, and the per-column steps run once.
+
+        act_order processes columns by decreasing diag(H), forming groups in that order (g_idx records them;
+        docs/quantized-checkpoints.md, "GPTQ act-order and g_idx"); static_groups fixes every group's
+        parameters up front on the natural column order, so that g_idx stays trivial (and is dropped).
+        keep_hessian leaves H in place for other linears that read the same input at another setting;
+        otherwise it is freed.
+
+        Raises:
+            ConfigError: bad bits/group_size, K not a multiple of group_size, or no calibration data.
+        """
         k = ws[0].shape[1]
         g = check_quant_args(k, bits, group_size, name)
         if self.H is None or self.nsamples == 0:
