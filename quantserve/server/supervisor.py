@@ -164,7 +164,7 @@ class Supervisor:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket)
         self.proc = proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "quantserve.server.supervisor", env=env, stderr=asyncio.subprocess.PIPE,
+            sys.executable, "-P", "-m", "quantserve.server.supervisor", env=env, stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C in the terminal reaches this process, which stops the child
         )  # fmt: skip
         relay = asyncio.get_running_loop().create_task(self._relay(proc))

@@ -65,7 +65,7 @@ def probe_gguf(path: Path, *, mmproj: Path | None = None, timeout: float = 300.0
         ProbeCrashError: the child was killed by a signal, exited otherwise, or timed out.
     """
     path = Path(path)
-    cmd = [sys.executable, "-m", __name__, str(path)]
+    cmd = [sys.executable, "-P", "-m", __name__, str(path)]  # -P: nothing from the working directory
     if mmproj is not None:
         cmd += ["--mmproj", str(mmproj)]
     t0 = time.perf_counter()

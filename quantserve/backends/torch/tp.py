@@ -204,7 +204,7 @@ def start_group(spec_path: Path, settings, device: torch.device) -> Group:
         if device.type == "cuda":
             env["LOCAL_RANK"] = str(rank)
         # a session of its own: a Ctrl-C in the terminal reaches rank 0, which stops the others
-        cmd = [sys.executable, "-m", "quantserve.backends.torch.tp"]
+        cmd = [sys.executable, "-P", "-m", "quantserve.backends.torch.tp"]
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     try:
         tp = _init(0, world, "127.0.0.1", port, device)
