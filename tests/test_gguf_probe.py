@@ -3,6 +3,7 @@ code becomes a ModelFileError here; and its cache, which probes each version of 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -133,3 +134,48 @@ def test_concurrent_checks_of_one_file_probe_it_once(smollm2_gguf, monkeypatch):
     for t in threads:
         t.join()
     assert len(calls) == 1
+
+
+def test_a_pass_kept_on_disk_spares_another_process_the_probe(smollm2_gguf, tmp_path, counted, caplog):
+    """A new ProbeCache stands for a new process: it finds the pass in the store and does not probe; the same file
+    rewritten in place (same path, size and mtime, new bytes) is probed again; no failure is kept on disk."""
+    model, store = tmp_path / "m.gguf", tmp_path / "probes"
+    shutil.copyfile(smollm2_gguf, model)
+    ProbeCache().check(model, store=store)
+    assert len(counted) == 1 and len(list(store.glob("*.json"))) == 1
+    with caplog.at_level("INFO", logger="quantserve"):
+        ProbeCache().check(model, store=store)
+    assert len(counted) == 1 and "not probed again" in caplog.text
+
+    st = model.stat()
+    time.sleep(0.01)
+    model.write_bytes(model.read_bytes())  # new bytes in place (here the same), the mtime then set back
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (model.stat().st_size, model.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    ProbeCache().check(model, store=store)
+    assert len(counted) == 2
+
+    bad = tmp_path / "aborts.gguf"
+    write_aborting_gguf(smollm2_gguf, bad)
+    with pytest.raises(ModelFileError, match="SIGABRT"):
+        ProbeCache().check(bad, store=store)
+    assert len(list(store.glob("*.json"))) == 2  # the two passes of m.gguf's versions, no failure
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ['{"key": ', "[]", '{"key": {"files": [], "llama.cpp": "x"}, "passed": true}', None],
+    ids=["torn", "not-an-object", "another-key", "not-passed"],
+)
+def test_a_corrupt_probe_entry_is_ignored_and_written_anew(smollm2_gguf, tmp_path, counted, entry, caplog):
+    store = tmp_path / "probes"
+    ProbeCache().check(smollm2_gguf, store=store)
+    (path,) = store.glob("*.json")
+    kept = json.loads(path.read_text())
+    path.write_text(entry if entry is not None else json.dumps({**kept, "passed": False}))
+    with caplog.at_level("WARNING", logger="quantserve"):
+        ProbeCache().check(smollm2_gguf, store=store)
+    assert len(counted) == 2 and "probing again" in caplog.text
+    assert json.loads(path.read_text())["key"] == kept["key"]  # the next pass wrote it anew
+    ProbeCache().check(smollm2_gguf, store=store)
+    assert len(counted) == 2

@@ -152,3 +152,15 @@ def test_sigterm_cancels_after_graceful_timeout(tmp_path):
                 pass
     assert srv.proc.wait(60) == 0
     assert time.monotonic() - t0 < 30
+
+
+def test_a_restart_finds_the_probe_passed_and_does_not_probe_again(smollm2_gguf, tmp_path):
+    """The probe's pass is kept in the cache directory: a second `quantserve run` of the same GGUF, a new process,
+    loads it once (not in a probe child first)."""
+    logs = []
+    for _ in range(2):
+        srv = start_server(tmp_path, str(smollm2_gguf), "--cache-dir", str(tmp_path / "cache"))
+        assert srv.stop() == 0
+        logs.append(srv.log())
+    assert "evaluated one token in a child process" in logs[0] and "not probed again" not in logs[0]
+    assert "not probed again" in logs[1] and "evaluated one token in a child process" not in logs[1]

@@ -58,8 +58,19 @@ def projector(gguf: Path, given: str | None) -> Path | None:
 
 
 PROBE_STEP = (
-    "probe: llama.cpp loads the GGUF and evaluates one token in a child process (once per file version)"
+    "probe: llama.cpp loads the GGUF and evaluates one token in a child process (once per file version; a pass "
+    "is kept in the cache directory, where a later start finds it)"
 )
+
+
+def probe_store(settings: EngineSettings) -> Path | None:
+    """Where passed probes are kept across processes: the cache directory's probes/ (none with --no-cache)."""
+    if not settings.use_cache:
+        return None
+    from quantserve.insitu.cache import default_cache_dir
+
+    root = Path(settings.cache_dir).expanduser() if settings.cache_dir else default_cache_dir()
+    return root / "probes"
 
 
 class LlamaCppBackend:
@@ -165,7 +176,7 @@ class LlamaCppBackend:
         if plan.spec.format == "gguf" and plan.kv is not None:
             from quantserve.backends.llamacpp.probe import PROBES
 
-            PROBES.check(plan.spec.files[0], plan.mmproj)
+            PROBES.check(plan.spec.files[0], plan.mmproj, store=probe_store(plan.settings))
 
     def load(self, plan: ModelPlan) -> Loaded:
         """Carry out `plan`: convert if it says so, probe the GGUF in a child, then load it in this process.
@@ -183,7 +194,7 @@ class LlamaCppBackend:
             gguf_path, mmproj = spec.files[0], plan.mmproj
         from quantserve.backends.llamacpp.probe import PROBES
 
-        PROBES.check(gguf_path, mmproj)
+        PROBES.check(gguf_path, mmproj, store=probe_store(settings))
         info = read_gguf_info(gguf_path)
         log.info("backend llamacpp: %s is GGUF (%s, %s)", gguf_path.name, info.architecture, info.file_type)
         if info.rank_outputs:

@@ -5,7 +5,9 @@ GGML_ASSERTs, and one that fires calls abort(), which no Python code can catch: 
 every model. So the child loads the file exactly as LlamaCppRunner does, tokenizes a little text and evaluates one
 token through the real decode path, or for a reranker one pair through its head (some asserts fire only when the
 compute graph is built); the parent turns a child killed by a signal into a ModelFileError. A probe costs one
-extra load, so results are cached per file.
+extra load, so results are cached per file version: in the process, and a pass also on disk (under the cache
+directory's probes/, keyed by the file's identity and the llama.cpp build), so that a restart of the server on a
+large GGUF does not load it twice.
 
 The child runs on the CPU with llama.cpp's default context settings (a 64-cell context, no GPU layers): an abort
 that only a GPU backend, flash attention or a quantized KV cache would trigger is not found here, and one the CPU
@@ -17,7 +19,13 @@ backend hits but a GPU would not (a norm weight in F16) refuses the file everywh
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -125,12 +133,14 @@ def telling_line(stderr: str) -> str:
 
 
 class ProbeCache:
-    """probe_gguf once per file version: (resolved path, size, mtime_ns), and the projector's likewise.
+    """probe_gguf once per file version: (resolved path, size, mtime, ctime, inode), and the projector's likewise.
 
     What the file itself decides is remembered: a clean refusal, or llama.cpp aborting on it (SIGABRT, SIGSEGV, …),
-    so a broken file is not probed again on every request; a changed file (new size or mtime) is probed afresh. A
-    timeout, a kill (the OOM killer's SIGKILL) or another exit code may pass, and is probed again next time.
-    Thread-safe: probes of different files run at once, of the same file once."""
+    so a broken file is not probed again on every request; a changed file (new bytes: a new ctime, whatever its
+    size and mtime say) is probed afresh. A timeout, a kill (the OOM killer's SIGKILL) or another exit code may
+    pass, and is probed again next time. Passes are also kept in `store` when a check names one (see
+    `_DiskEntry`), so that another process skips the probe too. Thread-safe: probes of different files run at
+    once, of the same file once."""
 
     def __init__(self, timeout: float = 300.0):
         self.timeout = timeout
@@ -138,23 +148,90 @@ class ProbeCache:
         self._results: dict[tuple, ModelFileError | None] = {}  # key -> None (ok) or the probe's error
         self._key_locks: dict[tuple, threading.Lock] = {}
 
-    def check(self, path: Path, mmproj: Path | None = None) -> None:
-        """Return if the file probes ok (now or before); raise ModelFileError if it did not."""
+    def check(self, path: Path, mmproj: Path | None = None, *, store: Path | None = None) -> None:
+        """Return if the file probes ok (now, before, or in another process that kept its pass in `store`);
+        raise ModelFileError if it did not."""
         key = (_version(path), _version(mmproj) if mmproj is not None else None)
         with self._lock:
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:  # a second caller for the same file waits for the first's probe and reads its result
             if key not in self._results:
-                try:
-                    probe_gguf(path, mmproj=mmproj, timeout=self.timeout)
+                disk = _DiskEntry(store, key) if store is not None else None
+                if disk is not None and disk.passed():
+                    log.info("probe of %s: passed before with this llama.cpp build (%s); not probed again",
+                             Path(path).name, disk.path)  # fmt: skip
                     self._results[key] = None
-                except ModelFileError as exc:
-                    if not _lasting(exc):
-                        raise
-                    self._results[key] = exc
+                else:
+                    try:
+                        seconds = probe_gguf(path, mmproj=mmproj, timeout=self.timeout)
+                        self._results[key] = None
+                    except ModelFileError as exc:
+                        if not _lasting(exc):
+                            raise
+                        self._results[key] = exc
+                    else:
+                        if disk is not None:
+                            disk.keep(seconds)
             error = self._results[key]
         if error is not None:
             raise error.with_traceback(None)  # the same error again, without the tracebacks of earlier raises
+
+
+class _DiskEntry:
+    """A passed probe on disk: `<store>/<hash>.json`, holding the key it was written for.
+
+    The key is what the pass depends on: each file's identity (resolved path, size, mtime, ctime and inode: an
+    in-place rewrite changes the ctime) and the llama.cpp build that probed it (llama-cpp-python's version and its
+    shared libraries' sizes and times), so a new file version or a rebuilt llama.cpp probes again. An entry is
+    trusted only if it parses and holds exactly that key; anything else (a torn write, a hand edit, another key)
+    is ignored and written anew after the next pass. Only passes are kept: a failure stays the process's own."""
+
+    def __init__(self, store: Path, key: tuple):
+        self.key = {"files": [list(v) if v else None for v in key], "llama.cpp": _llama_cpp_build()}
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:32]
+        self.path = Path(store) / f"{digest}.json"
+
+    def passed(self) -> bool:
+        try:
+            entry = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as exc:
+            log.warning("probe cache entry %s is unreadable (%s); probing again", self.path, exc)
+            return False
+        if not isinstance(entry, dict) or entry.get("key") != self.key or entry.get("passed") is not True:
+            log.warning("probe cache entry %s does not hold this file's key; probing again", self.path)
+            return False
+        return True
+
+    def keep(self, seconds: float) -> None:
+        """Write the pass (atomically: a reader sees the old entry or the whole new one); a failure to write only
+        costs a probe next time."""
+        entry = {"key": self.key, "passed": True, "seconds": round(seconds, 3), "at": time.time()}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(entry))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.warning("could not keep the probe's pass in %s (%s)", self.path, exc)
+            tmp.unlink(missing_ok=True)
+
+
+@functools.cache
+def _llama_cpp_build() -> str:
+    """Which llama.cpp build a probe ran: llama-cpp-python's version and its shared libraries (name, size, mtime),
+    found without importing it (the parent side stays cheap)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return "none"
+    version = importlib.metadata.version("llama_cpp_python")
+    libs = []
+    for loc in spec.submodule_search_locations:
+        for lib in sorted(Path(loc, "lib").glob("*")):
+            st = lib.stat()
+            libs.append(f"{lib.name} {st.st_size} {st.st_mtime_ns}")
+    return f"{version} " + hashlib.sha256("\n".join(libs).encode()).hexdigest()[:16]
 
 
 # Signals that say the file is the problem (llama.cpp aborting or reading out of bounds), not the machine.
@@ -166,13 +243,13 @@ def _lasting(exc: ModelFileError) -> bool:
     return not isinstance(exc, ProbeCrashError) or exc.returncode in _FILE_SIGNALS
 
 
-def _version(path: Path) -> tuple[str, int, int]:
+def _version(path: Path) -> tuple[str, int, int, int, int]:
     path = Path(path).resolve()
     try:
         st = path.stat()
     except FileNotFoundError:
         raise ModelNotFoundError(f"{path}: no such file") from None
-    return str(path), st.st_size, st.st_mtime_ns
+    return str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 PROBES = ProbeCache()  # the process's cache: the loader checks every GGUF here before loading it
