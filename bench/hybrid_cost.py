@@ -58,7 +58,7 @@ def _engine(path: Path, caching: bool, n_batch: int = 256):
     from quantserve.backends.torch.tokenizer import HFTokenizer
     from quantserve.backends.torch.weights import load_model
     from quantserve.formats import detect
-    from tests.test_torch_engine import make_engine
+    from tests.backends.torch.test_torch_engine import make_engine
 
     torch.set_num_threads(2)
     model = load_model(detect(path), dtype=torch.float32, device=torch.device("cpu"))
@@ -67,7 +67,7 @@ def _engine(path: Path, caching: bool, n_batch: int = 256):
 
 
 def torch_decode(path: Path, batch: int) -> float:
-    from tests.test_torch_moe import _together
+    from tests.backends.torch.test_torch_moe import _together
 
     engine, runner = _engine(path, caching=False)
     _together(engine, [[1, 2, 3]], 4)  # warm up
@@ -91,7 +91,7 @@ def llama_decode(gguf: Path, batch: int) -> float:
 
 
 def shared_prefix(path: Path, caching: bool) -> tuple[int, float]:
-    from tests.test_torch_moe import _together
+    from tests.backends.torch.test_torch_moe import _together
 
     engine, runner = _engine(path, caching=caching)
     prefix = list(range(1000, 1000 + PREFIX))

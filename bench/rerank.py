@@ -7,8 +7,8 @@ Writes bench/results/rerank-<date>.md and .json.
 
 --cross-encoder adds a reranker GGUF (a classification head, llama.cpp's rank pooling) as a third server.
 `--cross-encoder tiny` builds a random RoBERTa cross-encoder of SmolLM2's width (576, 6 layers) with
-tests/test_rerank_gguf.py's recipe and converts it with llama.cpp's convert_hf_to_gguf.py (from the sdist that
-`make test` extracts), to time the batching where no real reranker is at hand.
+tests/backends/llamacpp/test_rerank_gguf.py's recipe and converts it with llama.cpp's convert_hf_to_gguf.py (from
+the sdist that `make test` extracts), to time the batching where no real reranker is at hand.
 
 Each round has its own query, and the two ways get it tagged differently, so neither starts with anything of its
 prompts cached (not the other's prompts either); within a round both get the same prefix-cache help (the first
@@ -127,12 +127,13 @@ def tiny_cross_encoder(smollm2_gguf: Path) -> Path:
     import subprocess
 
     from quantserve.converters import gguf_to_hf
-    from tests.test_rerank_gguf import build_cross_encoder
+    from tests.backends.llamacpp.test_rerank_gguf import build_cross_encoder
 
     converter = ROOT / "bench/.build/src/vendor/llama.cpp/convert_hf_to_gguf.py"
     if not converter.is_file():
         sys.exit(
-            f"{converter} is missing: run tests/test_rerank_gguf.py once, which extracts it from the sdist"
+            f"{converter} is missing: run tests/backends/llamacpp/test_rerank_gguf.py once, which extracts it from "
+            "the sdist"
         )
     tmp = Path(tempfile.mkdtemp(prefix="qs-xenc-"))
     hf = gguf_to_hf(smollm2_gguf, tmp / "smollm2-hf", dtype="fp32", progress=False)

@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from serving import machine_info, save_record, versions  # noqa: E402
 
+from tests.backends.llamacpp.test_rpc import Worker  # noqa: E402
 from tests.conftest import start_server  # noqa: E402  (the launcher the tests use)
-from tests.test_rpc import Worker  # noqa: E402
 
 N_GEN = 128
 N_VOCAB = 49152  # SmolLM2's

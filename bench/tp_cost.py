@@ -36,7 +36,7 @@ N_GEN = 64
 
 
 def decode(path: Path, world: int, batch: int) -> float:
-    from tests.test_tp import greedy, load
+    from tests.backends.torch.test_tp import greedy, load
 
     runner = load(path, world, threads=2 // world)
     try:

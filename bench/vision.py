@@ -36,7 +36,7 @@ from serving import ServerDef, free_port, machine_info, save_record, start, stop
 
 from quantserve.core.multimodal import Image  # noqa: E402
 from quantserve.registry import find_models_toml, load_registry, resolve  # noqa: E402
-from tests.fixtures_vision import build_tiny_llava  # noqa: E402
+from tests.fixtures.vision import build_tiny_llava  # noqa: E402
 
 BACKENDS = ("llamacpp", "torch")
 

@@ -265,7 +265,7 @@ def concat_n(parts: list[MarlinWeight], name: str = "weight") -> MarlinWeight:
     Every Marlin structure permutes within a 64-column tile and lays the tiles out along N in order (the
     qweight's words, the scale permutation, the zero points' 64-chunk transpose), so with every N a multiple of
     64 concatenating along N commutes with the repack: concat_n(to_marlin(a), to_marlin(b)) equals
-    to_marlin(a | b) bit for bit (tests/test_marlin_layout.py). Act-order rows must be permuted alike.
+    to_marlin(a | b) bit for bit (tests/kernels/test_marlin_layout.py). Act-order rows must be permuted alike.
 
     Raises:
         QuantLayoutError: the parts differ in K, bits, group size, zero points or act-order permutation.

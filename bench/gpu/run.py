@@ -30,16 +30,16 @@ from report import render  # noqa: E402
 
 # The tests that need a GPU (marked `cuda`), in files that import nothing of the llama.cpp backend.
 CUDA_TESTS = [
-    "tests/test_cuda.py",
-    "tests/test_w4a16_kernels.py",
-    "tests/test_marlin_layout.py",
-    "tests/test_torch_sampler.py",
-    "tests/test_paged_attention.py",
-    "tests/test_torch_graphs.py",
-    "tests/test_fused_kernels.py",
-    "tests/test_moe_kernel.py",
-    "tests/test_cuda_moe.py",
-    "tests/test_cuda_families.py",
+    "tests/backends/torch/test_cuda.py",
+    "tests/kernels/test_w4a16_kernels.py",
+    "tests/kernels/test_marlin_layout.py",
+    "tests/backends/torch/test_torch_sampler.py",
+    "tests/kernels/test_paged_attention.py",
+    "tests/backends/torch/test_torch_graphs.py",
+    "tests/kernels/test_fused_kernels.py",
+    "tests/kernels/test_moe_kernel.py",
+    "tests/backends/torch/test_cuda_moe.py",
+    "tests/backends/torch/test_cuda_families.py",
 ]
 
 

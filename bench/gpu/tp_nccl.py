@@ -41,7 +41,7 @@ def main() -> None:
     from quantserve.core.settings import EngineSettings
     from quantserve.formats import detect, read_gguf_info
     from quantserve.registry import resolve_source
-    from tests.test_tp import greedy
+    from tests.backends.torch.test_tp import greedy
 
     result: dict = {"ok": False}
     with tempfile.TemporaryDirectory() as tmp:

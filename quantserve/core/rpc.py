@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from quantserve.errors import BackendUnavailableError, ConfigError
 
 # RPC_PROTO_{MAJOR,MINOR,PATCH}_VERSION of the llama.cpp this quantserve builds (ggml/include/ggml-rpc.h);
-# tests/test_rpc.py checks it against a worker started from the wheel.
+# tests/backends/llamacpp/test_rpc.py checks it against a worker started from the wheel.
 PROTOCOL = (7, 0, 0)
 HELLO = 14
 CAPS = 24  # RPC_CONN_CAPS_SIZE (ggml-rpc/transport.h)

@@ -1,10 +1,11 @@
 """Sanity checks on a GGUF's architecture hyper-parameters, vocabulary and tensor types, for values that make
 llama.cpp abort, not fail.
 
-Found by fuzzing the real model (bench/gguf_fuzz.py, tests/gguf_mutants.py): each of these trips a GGML_ASSERT or
-an uncaught C++ exception (SIGABRT) during loading or at the first decode, where other bad values get a clean load
-error from llama.cpp itself. What is left to llama.cpp (per-layer shapes against per-layer head counts, norm
-weights in types a backend cannot multiply by) the server's probe contains (quantserve.backends.llamacpp.probe).
+Found by fuzzing the real model (bench/gguf_fuzz.py, tests/fixtures/gguf_mutants.py): each of these trips a
+GGML_ASSERT or an uncaught C++ exception (SIGABRT) during loading or at the first decode, where other bad values get
+a clean load error from llama.cpp itself. What is left to llama.cpp (per-layer shapes against per-layer head
+counts, norm weights in types a backend cannot multiply by) the server's probe contains
+(quantserve.backends.llamacpp.probe).
 """
 
 from __future__ import annotations

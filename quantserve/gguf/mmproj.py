@@ -3,7 +3,7 @@
 llama.cpp converts LLaVA 1.5's vision side only with its legacy scripts (tools/mtmd/legacy-models:
 llava_surgery_v2.py, then convert_image_encoder_to_gguf.py --clip-model-is-vision --llava-projector; its
 convert_hf_to_gguf.py --mmproj takes pixtral-style LLaVAs only). This writes what that pair writes, byte for byte:
-the same keys in the same order, the same tensor names, order and types (tests/test_convert_llava.py runs them).
+the same keys in the same order, the same tensor names, order and types (tests/gguf/test_convert_llava.py runs them).
 The one choice the recipe leaves open, `clip.vision.feature_layer`, is always written: without it clip.cpp runs one
 ViT layer fewer than `vision_feature_layer` asks for (llama.cpp issue #25817).
 """

@@ -1,0 +1,1 @@
+"""Tests of quantserve.backends, one folder per backend."""

@@ -1,0 +1,1 @@
+"""Tests of quantserve.backends.torch: engine, model families, CUDA graphs, tensor parallel, CUDA, vision."""

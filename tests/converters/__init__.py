@@ -1,0 +1,1 @@
+"""Tests of converters/ (quantserve.converters): quantizers, recipes, quantized conversion, cache, eval."""

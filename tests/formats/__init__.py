@@ -1,0 +1,1 @@
+"""Tests of quantserve.formats and quantserve.registry: detection, header validation, quant layouts."""

@@ -1,0 +1,1 @@
+"""Tests of quantserve.gguf: HF <-> GGUF conversion per family, tokenizers, GPTQ, against llama.cpp."""
