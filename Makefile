@@ -55,8 +55,11 @@ $(STAMP): pyproject.toml $(LOCK)
 serve: $(STAMP)
 	$(BIN)/quantserve run $(MODEL) --host $(HOST) --port $(PORT)
 
+# Two workers (pytest-xdist), each test file on one of them (its module's fixtures built once), each worker's
+# threads sized to its share of the cores (tests/conftest.py); the 25 slowest tests are listed at the end.
+WORKERS ?= 2
 test: setup $(VOCABS)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=25
 
 # The newest versions the registry serves, in their own venv (the lock and .venv stay as they are); the versions
 # it ran with are printed against the lock's.

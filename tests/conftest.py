@@ -29,11 +29,20 @@ PARIS = [
 
 
 _OWN_CACHE: list[str] = []  # the cache directory this process made for the run, removed at its end
+# `make test` runs two pytest-xdist workers on these 2-core machines: each worker, and each server it starts,
+# computes on its share of the cores, so that llama.cpp's and torch's threads never outnumber them (spinning
+# threads that wait for a descheduled one cost far more than they give).
+THREADS = max(1, (os.cpu_count() or 2) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def pytest_configure(config):
     """One quantserve cache for the whole run (conversions, passed probes), shared by its workers and the servers
-    they start, and empty at the start: the suite neither reads nor fills the user's ~/.cache/quantserve."""
+    they start, and empty at the start: the suite neither reads nor fills the user's ~/.cache/quantserve. Under
+    xdist, torch (here and in the processes the tests start) uses this worker's share of the cores."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+        if "torch" in sys.modules:  # imported already: the variable is read only at torch's start
+            sys.modules["torch"].set_num_threads(THREADS)
     if "QUANTSERVE_CACHE" not in os.environ:
         import tempfile
 
@@ -193,7 +202,17 @@ def start_server(tmp: Path, *args: str, wait_ready: bool = True, env: dict | Non
     """Run `quantserve run ...` as its own process and wait until /ready answers 200."""
     port = free_port()
     log_path = tmp / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "quantserve.cli", "run", *args, "--port", str(port), "--threads", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "quantserve.cli",
+        "run",
+        *args,
+        "--port",
+        str(port),
+        "--threads",
+        str(THREADS),
+    ]
     proc = subprocess.Popen(
         cmd, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
     )

@@ -85,12 +85,15 @@ def test_staged_parts_round_trip_and_refuse_a_missing_or_damaged_part(tmp_path):
         stage.assemble(tmp_path / "dest3", root=root)
 
 
-def test_every_gpu_step_command_parses():
+def test_every_gpu_step_command_parses(monkeypatch):
     """The GPU run's commands against each script's own parser: an option one side lacks fails here, not in the
     minutes of a lent GPU (it did once: --marlin)."""
     import argparse
     import importlib.util
 
+    monkeypatch.setattr(
+        sys, "path", list(sys.path)
+    )  # the scripts put the checkout's root on it: undone after
     sys.path.insert(0, str(ROOT / "bench"))
     import run
 

@@ -19,7 +19,7 @@ from quantserve.errors import ConfigError, UnsupportedFormatError
 from quantserve.formats import read_gguf_info
 from quantserve.kernels import mxfp4
 from tests.backends.torch.test_torch_gpt_oss import make_checkpoints
-from tests.conftest import convert_with_llama_cpp
+from tests.conftest import THREADS, convert_with_llama_cpp
 from tests.gguf.test_convert_hf_to_gguf import tensor_bytes
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -80,7 +80,9 @@ def test_mxfp4_blocks_decode_to_the_checkpoints_weights(checkpoints, tmp_path):
 
 
 def _llama(path: Path):
-    llm = llama_cpp.Llama(str(path), n_ctx=64, flash_attn=False, n_threads=2, verbose=False, logits_all=True)
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=64, flash_attn=False, n_threads=THREADS, verbose=False, logits_all=True
+    )
     llm.eval(IDS)
     return llm, np.asarray(llm.scores[: len(IDS)])
 

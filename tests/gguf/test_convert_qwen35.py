@@ -19,7 +19,7 @@ from quantserve.converters import gguf_to_hf, hf_to_gguf
 from quantserve.errors import UnsupportedFormatError
 from quantserve.formats import read_gguf_info
 from tests.backends.torch.test_torch_qwen35 import _build
-from tests.conftest import convert_with_llama_cpp
+from tests.conftest import THREADS, convert_with_llama_cpp
 from tests.gguf.test_convert_hf_to_gguf import tensor_bytes
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -94,7 +94,9 @@ def test_a_multi_token_prediction_head_is_left_out(checkpoints, tmp_path):
 @pytest.mark.parametrize("kind", ["dense", "moe", "packed"])
 def test_llama_cpp_runs_it_as_transformers_does(kind, checkpoints, tmp_path):
     out = hf_to_gguf(checkpoints[kind], tmp_path / "m.gguf", "f16", progress=False)
-    llm = llama_cpp.Llama(str(out), n_ctx=128, flash_attn=False, n_threads=2, verbose=False, logits_all=True)
+    llm = llama_cpp.Llama(
+        str(out), n_ctx=128, flash_attn=False, n_threads=THREADS, verbose=False, logits_all=True
+    )
     llm.eval(IDS)
     ours = np.asarray(llm.scores[: len(IDS)])
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[kind], dtype=torch.float32).eval()

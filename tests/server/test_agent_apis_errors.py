@@ -12,7 +12,7 @@ from quantserve.llm import LLM, EngineSettings
 from quantserve.registry import ModelEntry, ResolvedModel
 from quantserve.server.app import create_app
 from quantserve.server.settings import ServerSettings
-from tests.conftest import PARIS
+from tests.conftest import PARIS, THREADS
 
 TOOL = {
     "type": "function",
@@ -26,7 +26,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw
 
 def app_client(smollm2_gguf, **settings) -> TestClient:
     resolved = ResolvedModel("smollm2", smollm2_gguf, ModelEntry(source=str(smollm2_gguf)))
-    llm = LLM.load(resolved, EngineSettings(threads=2, max_num_seqs=2))
+    llm = LLM.load(resolved, EngineSettings(threads=THREADS, max_num_seqs=2))
     return TestClient(create_app(ServerSettings(**settings), llm=llm))
 
 

@@ -11,7 +11,7 @@ from quantserve.llm import LLM, EngineSettings
 from quantserve.registry import ModelEntry, ResolvedModel
 from quantserve.server.app import create_app
 from quantserve.server.settings import ServerSettings
-from tests.conftest import PARIS
+from tests.conftest import PARIS, THREADS
 
 
 @pytest.fixture()
@@ -28,7 +28,7 @@ def test_ready_and_api_answer_503_until_the_model_is_loaded(monkeypatch):
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(LLM, "load", staticmethod(slow_load))
-    app = create_app(ServerSettings(model="smollm2", threads=2))
+    app = create_app(ServerSettings(model="smollm2", threads=THREADS))
     with TestClient(app) as client:
         r = client.get("/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
@@ -49,7 +49,7 @@ def test_ready_and_api_answer_503_until_the_model_is_loaded(monkeypatch):
 def test_chat_template_override_is_used(resolved, tmp_path):
     tmpl = tmp_path / "qa.jinja"
     tmpl.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
-    llm = LLM.load(resolved, EngineSettings(threads=2, chat_template=str(tmpl)))
+    llm = LLM.load(resolved, EngineSettings(threads=THREADS, chat_template=str(tmpl)))
     with TestClient(create_app(ServerSettings(), llm=llm)) as client:
         r = client.post("/v1/chat/completions", json={"messages": PARIS[1:], "max_tokens": 2})
         expected = llm.tokenize_prompt("Q: What is the capital of France?\nA:", chat=True)
@@ -57,7 +57,7 @@ def test_chat_template_override_is_used(resolved, tmp_path):
 
 
 def test_model_without_chat_template_gets_a_clear_400_for_chat_only(resolved):
-    llm = LLM.load(resolved, EngineSettings(threads=2))
+    llm = LLM.load(resolved, EngineSettings(threads=THREADS))
     llm.chat_template = None
     with TestClient(create_app(ServerSettings(), llm=llm)) as client:
         r = client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 2})
@@ -69,7 +69,7 @@ def test_model_without_chat_template_gets_a_clear_400_for_chat_only(resolved):
 
 
 def test_bad_grammar_schema_is_400_not_an_engine_failure(resolved):
-    llm = LLM.load(resolved, EngineSettings(threads=2))
+    llm = LLM.load(resolved, EngineSettings(threads=THREADS))
     with TestClient(create_app(ServerSettings(), llm=llm)) as client:
         body = {
             "messages": PARIS,

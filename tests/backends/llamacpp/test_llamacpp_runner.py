@@ -11,13 +11,16 @@ from quantserve.core.runner import CopyKV, DropKV
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import Sequence
 from quantserve.core.settings import EngineSettings
+from tests.conftest import THREADS
 
 PROMPTS = ["The capital of France is", "Once upon a time, a dragon", "def fibonacci(n):", "Water boils at"]
 
 
 @pytest.fixture(scope="module", params=["auto", "off"], ids=["flash-attn-auto", "flash-attn-off"])
 def runner(smollm2_gguf, request):
-    settings = EngineSettings.from_options(ctx_size=256, max_num_seqs=4, threads=2, flash_attn=request.param)
+    settings = EngineSettings.from_options(
+        ctx_size=256, max_num_seqs=4, threads=THREADS, flash_attn=request.param
+    )
     r = LlamaCppRunner(smollm2_gguf, settings)
     yield r
     r.close()

@@ -14,6 +14,7 @@ from quantserve.chat import ChatRequest
 from quantserve.core.multimodal import Image
 from quantserve.errors import ModelFileError
 from quantserve.llm import LLM, load
+from tests.conftest import THREADS
 from tests.fixtures.vision import build_tiny_llava, sample_images
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +60,7 @@ def greedy(llm: LLM, tokens, spans, n: int = 10) -> list[int]:
 @pytest.fixture(scope="module")
 def llm(llava):
     _, text, _ = llava
-    llm = load(str(text), backend="llamacpp", ctx_size=2048, max_num_seqs=2, threads=2)
+    llm = load(str(text), backend="llamacpp", ctx_size=2048, max_num_seqs=2, threads=THREADS)
     yield llm
     llm.close()
 

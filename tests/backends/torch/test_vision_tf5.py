@@ -21,6 +21,7 @@ from quantserve.errors import ModelFileError
 from quantserve.formats.image_processor import ImageProcessorConfig
 from quantserve.llm import LLM, load
 from quantserve.vision.preprocess import pixel_values
+from tests.conftest import THREADS
 from tests.fixtures.vision import build_tf5_llava, sample_images
 
 transformers = pytest.importorskip("transformers")
@@ -97,7 +98,9 @@ def test_preprocessing_is_transformers_bit_for_bit(tf5, name):
 def test_both_backends_give_transformers_tokens(tf5, backend, tmp_path):
     """The llama.cpp route converts in situ (text GGUF, mmproj, the processor settings beside them) and crops as
     the checkpoint does before libmtmd: a 300x180 image gives transformers' tokens there too."""
-    llm = load(str(tf5), backend=backend, ctx_size=1024, max_num_seqs=1, threads=2, cache_dir=str(tmp_path))
+    llm = load(
+        str(tf5), backend=backend, ctx_size=1024, max_num_seqs=1, threads=THREADS, cache_dir=str(tmp_path)
+    )
     try:
         assert llm.info.backend == backend and llm.vision is not None and llm.vision.tokens_per_image == 256
         answers = []
