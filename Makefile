@@ -61,6 +61,11 @@ WORKERS ?= 2
 test: setup $(VOCABS)
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=25
 
+# The edit loop's tier (about 3 minutes): no server process, no llama.cpp converter as the oracle (conftest marks
+# those `slow`). CI runs everything.
+test-fast: setup $(VOCABS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile -m "not slow" --durations=10
+
 # The newest versions the registry serves, in their own venv (the lock and .venv stay as they are); the versions
 # it ran with are printed against the lock's.
 test-latest:

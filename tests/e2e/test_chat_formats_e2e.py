@@ -5,6 +5,7 @@ budget of 8 tokens (`--reasoning on --reasoning-budget 8`: SmolLM2 never closes 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -55,7 +56,7 @@ def client(request, smollm2_gguf, smollm2_hf, tmp_path_factory) -> openai.OpenAI
     srv = start_server(
         tmp,
         "--models-file", str(tmp / "models.toml"), "--models-max", str(len(FAMILIES)),
-        "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "1",
+        "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "2",
     )  # fmt: skip
     yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     assert srv.stop() == 0
@@ -63,6 +64,13 @@ def client(request, smollm2_gguf, smollm2_hf, tmp_path_factory) -> openai.OpenAI
 
 def _model(name: str) -> str:
     return name.lower().replace(".", "-")
+
+
+def _together(*calls):
+    """Each test's two requests at once: the model's engine decodes them in one batch (--max-num-seqs 2), which
+    costs about what one does. Their results, in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -73,32 +81,38 @@ def test_required_calls_whole_and_streamed(client, name):
     # (DeepSeek's markers take SmolLM2 about 25 tokens each: a reply with its one call is about 100 tokens)
     kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
               temperature=0, max_tokens=128)  # fmt: skip
-    r = client.chat.completions.create(**kw)
+
+    def streamed() -> dict[int, str]:
+        args = {}
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
+        return args
+
+    r, args = _together(lambda: client.chat.completions.create(**kw), streamed)
     (call,) = r.choices[0].message.tool_calls  # one call, and the grammar ends the reply after it
     assert r.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
-    args = {}
-    for chunk in client.chat.completions.create(**kw, stream=True):
-        for d in chunk.choices[0].delta.tool_calls or []:
-            args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
     assert list(args) == [0] and jsonschema.validate(json.loads(args[0]), SCHEMA) is None
 
 
 @pytest.mark.parametrize("name", [n for n, (_, thinks) in FAMILIES.items() if thinks])
 def test_reasoning_apart_bounded_and_switched_off(client, name):
     model = _model(name)
-    r = client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=32)
+    r, off = _together(
+        lambda: client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=32),
+        lambda: client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            temperature=0,
+            max_tokens=16,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        ),
+    )
     message = r.choices[0].message.model_dump()
     assert message["reasoning_content"], message
     assert r.usage.completion_tokens_details.reasoning_tokens <= 8
-    off = client.chat.completions.create(
-        model=model,
-        messages=ASK,
-        temperature=0,
-        max_tokens=16,
-        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-    )
     assert off.choices[0].message.model_dump().get("reasoning_content") is None
 
 
@@ -126,12 +140,12 @@ def _chat_calls(client, model: str, max_tokens: int, stream: bool) -> tuple[str,
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_reply_cut_in_its_calls_keeps_the_complete_ones(client, name):
     """SmolLM2 goes on writing calls under a parallel grammar until max_tokens cuts one (or it stops): the calls
-    written in full come back parsed and valid, streamed and not, and an unfinished one is dropped. (The two runs
-    are compared call by call only for validity: the second hits the prefix cache, which may change a greedy
-    reply.)"""
+    written in full come back parsed and valid, streamed and not, and an unfinished one is dropped. (The two runs,
+    which decode in one batch, are compared call by call only for validity: batching may change a greedy reply.)"""
     model = _model(name)
-    for stream in (False, True):
-        reason, calls = _chat_calls(client, model, 72, stream=stream)
+    for reason, calls in _together(
+        *(lambda s=stream: _chat_calls(client, model, 72, s) for stream in (False, True))
+    ):
         assert calls, "no complete call came back"
         for call_name, arguments in calls:
             assert call_name == "get_weather"

@@ -125,6 +125,7 @@ def _field_offsets(reader: GGUFReader) -> list[tuple[int, int]]:
     return out + [(4, 4), (8, 8), (16, 8)]
 
 
+@pytest.mark.slow  # thousands of mutants
 def test_header_mutation_fuzz(real):
     """300 seeded mutations of the header: each parses or raises ModelFileError, nothing else escapes."""
     data, info, reader = real
