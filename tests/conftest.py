@@ -43,6 +43,8 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
         if "torch" in sys.modules:  # imported already: the variable is read only at torch's start
             sys.modules["torch"].set_num_threads(THREADS)
+        # quantserve's own default (llama.cpp's threads, the quantizer's) is the machine's count: the worker's here
+        os.cpu_count = lambda: THREADS
     if "QUANTSERVE_CACHE" not in os.environ:
         import tempfile
 
