@@ -213,6 +213,15 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def together(*calls) -> list:
+    """The calls at once, each in a thread, and their results in order: requests to one served model decode in one
+    batch (given --max-num-seqs), which on these small models costs about what one request does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
 def ask_openai(srv: ServerProcess) -> tuple:
     """A greedy 8-token completion and a 4-token chat answer from the server's model, through the official client
     (a random model's text is not compared; its token counts and that it answered are). Stops the server."""

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import PARIS, ROOT, start_server
+from tests.conftest import PARIS, ROOT, start_server, together
 
 pytestmark = pytest.mark.slow
 
@@ -144,32 +144,43 @@ def test_a_reply_cut_inside_its_calls_keeps_the_complete_ones(api):
         for name, arguments in calls:
             assert_valid_call(name, arguments)
 
-    r = api.oai.chat.completions.create(**kw, max_tokens=cut)
+    # Each API's whole and streamed requests at once (the server decodes two sequences in one batch)
+    def streamed() -> dict[int, list[str]]:
+        calls: dict[int, list[str]] = {}
+        for chunk in api.oai.chat.completions.create(**kw, max_tokens=cut, stream=True):
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                name_args = calls.setdefault(tc.index, [tc.function.name or "", ""])
+                name_args[1] += tc.function.arguments or ""
+        return calls
+
+    r, streamed_calls = together(lambda: api.oai.chat.completions.create(**kw, max_tokens=cut), streamed)
     choice = r.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     valid([(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []])
-    streamed: dict[int, list[str]] = {}
-    for chunk in api.oai.chat.completions.create(**kw, max_tokens=cut, stream=True):
-        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-            name_args = streamed.setdefault(tc.index, [tc.function.name or "", ""])
-            name_args[1] += tc.function.arguments or ""
-    valid([(n, a) for n, a in streamed.values()])
+    valid([(n, a) for n, a in streamed_calls.values()])
     tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
     akw = dict(model=api.model, max_tokens=cut, messages=ASK, tools=tools, tool_choice={"type": "any"},
                extra_body=GREEDY)  # fmt: skip
-    m = api.claude.messages.create(**akw)
+
+    def claude_streamed():
+        with api.claude.messages.stream(**akw) as stream:
+            return stream.get_final_message()
+
+    m, final = together(lambda: api.claude.messages.create(**akw), claude_streamed)
     assert m.stop_reason == "max_tokens"
     valid([(b.name, json.dumps(b.input)) for b in m.content if b.type == "tool_use"])
-    with api.claude.messages.stream(**akw) as stream:
-        final = stream.get_final_message()
     valid([(b.name, json.dumps(b.input)) for b in final.content if b.type == "tool_use"])
     rkw = dict(model=api.model, input=ASK, tools=[{"type": "function", **t["function"]} for t in TOOLS],
                tool_choice="required", temperature=0, max_output_tokens=cut)  # fmt: skip
-    resp = api.oai.responses.create(**rkw)
+
+    def responses_streamed():
+        with api.oai.responses.stream(**rkw) as stream:  # it ends with response.incomplete, as OpenAI's does
+            (final,) = [e.response for e in stream if e.type == "response.incomplete"]
+        return final
+
+    resp, final = together(lambda: api.oai.responses.create(**rkw), responses_streamed)
     valid([(o.name, o.arguments) for o in resp.output if o.type == "function_call"])
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
-    with api.oai.responses.stream(**rkw) as stream:  # it ends with response.incomplete, as OpenAI's does
-        (final,) = [e.response for e in stream if e.type == "response.incomplete"]
     valid([(o.name, o.arguments) for o in final.output if o.type == "function_call"])
 
 

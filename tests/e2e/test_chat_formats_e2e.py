@@ -5,13 +5,12 @@ budget of 8 tokens (`--reasoning on --reasoning-budget 8`: SmolLM2 never closes 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
 import pytest
 
-from tests.conftest import ROOT, start_server
+from tests.conftest import ROOT, start_server, together
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,7 @@ def client(request, smollm2_gguf, smollm2_hf, tmp_path_factory) -> openai.OpenAI
     srv = start_server(
         tmp,
         "--models-file", str(tmp / "models.toml"), "--models-max", str(len(FAMILIES)),
-        "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "2",
+        "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "2",  # each test's two requests at once
     )  # fmt: skip
     yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     assert srv.stop() == 0
@@ -64,13 +63,6 @@ def client(request, smollm2_gguf, smollm2_hf, tmp_path_factory) -> openai.OpenAI
 
 def _model(name: str) -> str:
     return name.lower().replace(".", "-")
-
-
-def _together(*calls):
-    """Each test's two requests at once: the model's engine decodes them in one batch (--max-num-seqs 2), which
-    costs about what one does. Their results, in order."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -89,7 +81,7 @@ def test_required_calls_whole_and_streamed(client, name):
                 args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
         return args
 
-    r, args = _together(lambda: client.chat.completions.create(**kw), streamed)
+    r, args = together(lambda: client.chat.completions.create(**kw), streamed)
     (call,) = r.choices[0].message.tool_calls  # one call, and the grammar ends the reply after it
     assert r.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "get_weather"
@@ -100,7 +92,7 @@ def test_required_calls_whole_and_streamed(client, name):
 @pytest.mark.parametrize("name", [n for n, (_, thinks) in FAMILIES.items() if thinks])
 def test_reasoning_apart_bounded_and_switched_off(client, name):
     model = _model(name)
-    r, off = _together(
+    r, off = together(
         lambda: client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=32),
         lambda: client.chat.completions.create(
             model=model,
@@ -143,7 +135,7 @@ def test_a_reply_cut_in_its_calls_keeps_the_complete_ones(client, name):
     written in full come back parsed and valid, streamed and not, and an unfinished one is dropped. (The two runs,
     which decode in one batch, are compared call by call only for validity: batching may change a greedy reply.)"""
     model = _model(name)
-    for reason, calls in _together(
+    for reason, calls in together(
         *(lambda s=stream: _chat_calls(client, model, 72, s) for stream in (False, True))
     ):
         assert calls, "no complete call came back"

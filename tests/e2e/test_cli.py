@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, THREADS
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -98,6 +98,8 @@ def test_convert_check_prints_the_quality_table(smollm2_hf, tmp_path):
             "--quant",
             "q8_0",
             "--check",
+            "--threads",
+            str(THREADS),
         ],
         capture_output=True,
         text=True,
