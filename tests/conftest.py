@@ -61,9 +61,10 @@ def pytest_unconfigure(config):
 
 # Where every test is slow by nature, for `make test-fast` (paths under tests/): llama.cpp's converter and quantizer
 # as the oracle (gguf/), processes of their own (tensor-parallel ranks, probe children, the CLI, fuzzed loads), and
-# perplexity over the real model.
+# the real model through the torch engine or scored for perplexity.
 SLOW_PLACES = (
     "gguf/",
+    "backends/torch/test_torch_engine.py",
     "backends/torch/test_tp.py",
     "backends/llamacpp/test_gguf_probe.py",
     "formats/test_gguf_load_fuzz.py",

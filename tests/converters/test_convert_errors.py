@@ -115,6 +115,7 @@ def test_bad_options(checkpoint, smollm2_gguf, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.dat"]
 
 
+@pytest.mark.slow  # the CLI in processes of its own
 def test_cli(checkpoint, smollm2_gguf, tmp_path):
     runner = CliRunner()
     out = tmp_path / "m.gguf"

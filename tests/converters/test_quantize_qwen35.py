@@ -190,6 +190,7 @@ def test_gptq_is_closer_than_rtn_to_the_source(sources, tmp_path):
     assert errs["gptq"] < errs["rtn"], errs
 
 
+@pytest.mark.slow  # a sensitivity pass over every linear
 def test_a_bits_budget_scores_every_linear_of_a_hybrid_as_transformers_does(sources, tmp_path):
     """--bits-budget on Qwen3.5-MoE with its DeltaNets quantized: the sensitivity pass scores exactly the linears
     the quantizer rounds, and each score is the KL transformers gives with that one linear rounded (RTN) and the

@@ -328,6 +328,7 @@ def _hidden(d: Path, items: list | None, tokens: torch.Tensor) -> torch.Tensor:
         return model.eval()(tokens)
 
 
+@pytest.mark.slow  # a whole calibration run, twice
 @pytest.mark.parametrize("tie", [False, True])
 def test_driver_yields_every_linear_and_streams_one_layer(tmp_path: Path, monkeypatch, tie: bool) -> None:
     d = _tiny_llama(tmp_path / "m", tie=tie)
