@@ -119,54 +119,56 @@ class GPTQ:
         if static_groups:
             s, z = quantizer.find_params(W.reshape(n_rows, n_groups, g))
             scales, zeros = s[..., 0], z[..., 0]
+        # The sweep runs on W's columns as rows (Wt [K, N]), each column one contiguous vector (and act-order's
+        # permutation a gather of rows).
+        Wt = W.t().contiguous()
         perm, order = None, range(k)
         if act_order:
             perm = torch.argsort(torch.diag(H), descending=True)
-            W, H = W[:, perm], H[perm][:, perm]
+            Wt, H = Wt[perm], H[perm][:, perm]
             order = perm.tolist()  # host copy: no device sync per column
         Hinv, damp = _inverse_cholesky(H, damp_percent, name)
         lam = damp * float(torch.diag(H).mean())
         del H
 
-        Q = torch.zeros_like(W)  # integer values, in processing order
-        Wq = torch.zeros_like(W)
+        # A block's errors are fed forward lazily: a column's share of them is one matrix-vector product, taken
+        # when the sweep reaches it. That is a handful of small calls per column, where the reference's eager
+        # rank-1 update of the rest of the block cost several times as long on the CPU.
+        Qt = torch.zeros_like(Wt)  # integer values, in processing order
+        Wqt = torch.zeros_like(Wt)
         loss = torch.zeros(n_rows, device=W.device)  # each row's Σ err²
         scale = zero = None
         for i1 in range(0, k, block_size):
             i2 = min(i1 + block_size, k)
-            W1 = W[:, i1:i2].clone()
-            Err1 = torch.zeros_like(W1)
+            Err1 = torch.zeros(i2 - i1, n_rows, device=W.device)
             Hinv1 = Hinv[i1:i2, i1:i2]
             for i in range(i2 - i1):
                 col = i1 + i
                 if static_groups:
                     grp = order[col] // g
-                    scale, zero = scales[:, grp : grp + 1], zeros[:, grp : grp + 1]
+                    scale, zero = scales[:, grp], zeros[:, grp]
                 elif col % g == 0:
-                    # Entering a group: its parameters come from the weights as updated so far, i.e. this
-                    # block's W1 and, past the block, W minus this block's pending (lazy) updates.
-                    cur = W1[:, i : i + g]
-                    if col + g > i2:
-                        rest = W[:, i2 : col + g] - Err1[:, :i] @ Hinv[i1:col, i2 : col + g]
-                        cur = torch.cat([cur, rest], dim=1)
-                    scale, zero = quantizer.find_params(cur)
-                    scales[:, col // g], zeros[:, col // g] = scale[:, 0], zero[:, 0]
-                wcol = W1[:, i : i + 1]
-                q = quantizer.quantize(wcol, scale, zero)
+                    # Entering a group: its parameters come from its columns as updated so far (also those
+                    # past this block, which have this block's feedback pending).
+                    cur = Wt[col : col + g] - Hinv[i1:col, col : col + g].T @ Err1[:i]
+                    scale, zero = (x[:, 0] for x in quantizer.find_params(cur.T))
+                    scales[:, col // g], zeros[:, col // g] = scale, zero
+                w = Wt[col] - Hinv1[:i, i] @ Err1[:i]
+                q = quantizer.quantize(w, scale, zero)
                 wq = quantizer.dequantize(q, scale, zero)
-                Q[:, col : col + 1], Wq[:, col : col + 1] = q, wq
-                err = (wcol - wq) / Hinv1[i, i]
-                loss += err[:, 0].square()
-                W1[:, i:] -= err @ Hinv1[i : i + 1, i:]
-                Err1[:, i : i + 1] = err
-            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+                Qt[col], Wqt[col] = q, wq
+                err = (w - wq) / Hinv1[i, i]
+                loss += err.square()
+                Err1[i] = err
+            Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
 
         g_idx = None
         if perm is not None:
             inv = torch.argsort(perm)
-            Q, Wq = Q[:, inv], Wq[:, inv]
+            Qt, Wqt = Qt[inv], Wqt[inv]
             if not static_groups:
                 g_idx = (torch.arange(k, device=W.device) // g)[inv]
+        Q, Wq = Qt.T, Wqt.T.contiguous()
         results, start = [], 0
         for w in ws:
             rows = slice(start, start + w.shape[0])
@@ -213,30 +215,28 @@ class GPTQ:
         dead = torch.diag(H) == 0
         H[dead, dead] = 1
         W[:, dead] = 0
-        perm = (
-            torch.argsort(torch.diag(H), descending=True)
-            if act_order
-            else torch.arange(W.shape[1], device=dev)
-        )
-        W, H, S, Off, inv = W[:, perm], H[perm][:, perm], S[:, perm], Off[:, perm], inv[:, perm]
+        # As fasterquant_all sweeps: columns as rows, the block's feedback applied when a column is reached.
+        Wt, St, Offt, invt = (x.t().contiguous() for x in (W, S, Off, inv))
+        perm = None
+        if act_order:
+            perm = torch.argsort(torch.diag(H), descending=True)
+            Wt, St, Offt, invt, H = Wt[perm], St[perm], Offt[perm], invt[perm], H[perm][:, perm]
         Hinv, _ = _inverse_cholesky(H, damp_percent, name)
         del H
         k = W.shape[1]
-        Q = torch.zeros_like(W)
+        Qt = torch.zeros_like(Wt)
         for i1 in range(0, k, block_size):
             i2 = min(i1 + block_size, k)
-            W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
-            Err1 = torch.zeros_like(W1)
+            Hinv1 = Hinv[i1:i2, i1:i2]
+            Err1 = torch.zeros(i2 - i1, Wt.shape[1], device=dev)
             for i in range(i2 - i1):
                 c = i1 + i
-                q = torch.clamp(torch.round((W1[:, i] - Off[:, c]) * inv[:, c]), lo, hi)
-                Q[:, c] = q
-                err = (W1[:, i] - (S[:, c] * q + Off[:, c])) / Hinv1[i, i]
-                W1[:, i:] -= err[:, None] @ Hinv1[i : i + 1, i:]
-                Err1[:, i] = err
-            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-        back = torch.argsort(perm)
-        Q = Q[:, back]
+                w = Wt[c] - Hinv1[:i, i] @ Err1[:i]
+                q = torch.clamp(torch.round((w - Offt[c]) * invt[c]), lo, hi)
+                Qt[c] = q
+                Err1[i] = (w - (St[c] * q + Offt[c])) / Hinv1[i, i]
+            Wt[i2:] -= Hinv[i1:i2, i2:].T @ Err1
+        Q = (Qt if perm is None else Qt[torch.argsort(perm)]).T
         return Q.to(torch.int32), (scale.to(dev, torch.float32) * Q + offset.to(dev, torch.float32))
 
 
