@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import PARIS, start_server
+from tests.conftest import PARIS, THREADS, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,8 @@ def test_eval_ppl_scores_a_gptq_directory(quantized):
     from quantserve.cli import main
 
     text = str(files("quantserve") / "data/eval.txt")
-    r = CliRunner().invoke(main, ["eval", "ppl", str(quantized["gptq"]), "--text", text, "--threads", "2"])
+    args = ["eval", "ppl", str(quantized["gptq"]), "--text", text, "--threads", str(THREADS)]
+    r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     ppl = float(r.output.split("PPL = ")[1].split()[0])
     assert 5 < ppl < 100  # a working 4-bit model on English prose (SmolLM2 full precision: ~25 on this text)
