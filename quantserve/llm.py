@@ -262,6 +262,18 @@ class LLM:
         """`text`'s tokens as they would appear inside a prompt: no BOS, special-token text read as text."""
         return self._runner.tokenize(text, add_special=False, parse_special=False)
 
+    def check_tokens(self, tokens: Seq[int], param: str = "prompt") -> None:
+        """Token ids a request sends itself (completions' `prompt`, embeddings' `input`, Ollama's `context`) must
+        be in the vocabulary: outside it llama.cpp fails the whole batch's decode, and torch's embedding lookup
+        raises (on CUDA, a device-side assert that ends the process). Raises InvalidRequestError naming the id."""
+        if tokens and (min(tokens) < 0 or max(tokens) >= self.n_vocab):
+            bad = next(t for t in tokens if not 0 <= t < self.n_vocab)
+            raise InvalidRequestError(
+                f"'{param}' has token id {bad}, outside this model's vocabulary of {self.n_vocab} tokens "
+                f"(ids 0 to {self.n_vocab - 1})",
+                param=param,
+            )
+
     def check_context(self, n_prompt: int, max_tokens: int | None) -> int:
         """Returns the max_tokens to use. Raises ContextLengthExceededError like OpenAI/vLLM do."""
         if n_prompt == 0:
@@ -304,6 +316,7 @@ class LLM:
     ) -> RequestStream:
         """Stream the continuation of `prompt_tokens`; `images` as prepare_chat placed them."""
         self._refuse_if_reranker("prompt")
+        self.check_tokens(prompt_tokens)  # the routes check under their field's name; this guards the library
         if fault := self.fault():  # a tensor-parallel rank is gone
             raise ModelUnavailableError(f"the model is unavailable: {fault}; restart the server")
         seq = Sequence(
@@ -354,6 +367,7 @@ class LLM:
     async def embed(self, tokens: list[int]) -> list[float]:
         if not self.can_embed:
             raise EmbeddingsUnsupportedError(f"model {self.name!r} cannot produce embeddings", param="input")
+        self.check_tokens(tokens, "input")
         if len(tokens) > self.n_ctx:
             raise ContextLengthExceededError(
                 f"input has {len(tokens)} tokens; the maximum is {self.n_ctx}", param="input"

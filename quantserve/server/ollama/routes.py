@@ -273,6 +273,7 @@ async def generate(body: GenerateBody, request: Request):
         prompt, tokens, spans = llm.prepare_chat(req, await reader.load(state.media))
         grammar, skip_special = prompt.grammar, prompt.skip_special_tokens
     if body.context:
+        llm.check_tokens(body.context, "context")
         tokens = list(body.context) + tokens
     if body.raw and body.format:
         schema = response_schema(body.format)

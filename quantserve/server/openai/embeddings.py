@@ -29,6 +29,8 @@ async def embeddings(body: EmbeddingRequest, request: Request):
         batches = [llm.tokenize_prompt(x, chat=False) if isinstance(x, str) else list(x) for x in inputs]
     if not batches or any(not b for b in batches):
         raise InvalidRequestError("'input' must not be empty", param="input")
+    for tokens in batches:
+        llm.check_tokens(tokens, "input")
     data = []
     for i, tokens in enumerate(batches):
         vec = await llm.embed(tokens)

@@ -226,13 +226,10 @@ def _prompts(llm: LLM, prompt) -> list[list[int]]:
     if not prompt:
         raise InvalidRequestError("'prompt' is empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    out = []
-    for p in prompt:
-        out.append(llm.tokenize_prompt(p, chat=False) if isinstance(p, str) else list(p))
+        prompt = [prompt]
+    out = [llm.tokenize_prompt(p, chat=False) if isinstance(p, str) else list(p) for p in prompt]
     for toks in out:
-        if any(not 0 <= t < llm.n_vocab for t in toks):
-            raise InvalidRequestError(f"'prompt' has token ids outside 0..{llm.n_vocab - 1}", param="prompt")
+        llm.check_tokens(toks, "prompt")
     return out
 
 
