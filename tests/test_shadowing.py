@@ -39,11 +39,13 @@ def test_transformers_gemma2_imports():
     assert transformers.Gemma2ForCausalLM.__name__ == "Gemma2ForCausalLM"
 
 
-def test_the_cli_run_as_a_module_from_the_root_imports_nothing_from_it():
-    """`python -m quantserve.cli` from the root: the working directory is off the path before anything imports."""
+@pytest.mark.parametrize("module", ["quantserve.cli", "quantserve"])
+def test_the_cli_run_as_a_module_from_the_root_imports_nothing_from_it(module):
+    """`python -m quantserve.cli` (or `python -m quantserve`) from the root: the working directory is off the path
+    before anything imports."""
     code = (  # as `python -m` runs it: the working directory first on the path
         "import os, runpy, sys; sys.path[0] = os.getcwd(); sys.argv = ['quantserve', '--help']\n"
-        "try: runpy.run_module('quantserve.cli', run_name='__main__', alter_sys=True)\n"
+        f"try: runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
         "except SystemExit: pass\n"
         "import kernels; print('KERNELS', kernels.__spec__.origin)"
     )

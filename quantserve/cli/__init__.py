@@ -19,5 +19,22 @@ def main() -> None:
     """quantserve: serve quantized LLMs behind an OpenAI-compatible API."""
 
 
-for command in (run, models, inspect, cache, convert, eval_group, bench, rpc_worker):
+@click.command()
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell: str) -> None:
+    """Print the shell's completion script for quantserve (click's own).
+
+    \b
+    Examples:
+      eval "$(quantserve completion bash)"          # in ~/.bashrc
+      eval "$(quantserve completion zsh)"           # in ~/.zshrc
+      quantserve completion fish > ~/.config/fish/completions/quantserve.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    script = get_completion_class(shell)(main, {}, "quantserve", "_QUANTSERVE_COMPLETE")
+    click.echo(script.source())
+
+
+for command in (run, models, inspect, cache, convert, eval_group, bench, rpc_worker, completion):
     main.add_command(command)

@@ -55,6 +55,39 @@ def test_run_help_documents_options():
         assert opt in r.stdout
 
 
+def test_python_m_quantserve_is_the_cli():
+    r = subprocess.run(
+        [sys.executable, "-m", "quantserve", "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert r.returncode == 0 and r.stdout.startswith("quantserve, version"), r.stderr
+
+
+def test_shell_completion_scripts_complete_commands_and_options():
+    """`quantserve completion SHELL` prints click's script for that shell; the script calls back with
+    _QUANTSERVE_COMPLETE set, and the answer lists the matching commands and options."""
+    from click.testing import CliRunner
+
+    from quantserve.cli import main
+
+    for shell, mark in (
+        ("bash", "complete -o nosort -F"),
+        ("zsh", "compdef"),
+        ("fish", "complete --no-files"),
+    ):
+        r = CliRunner().invoke(main, ["completion", shell])
+        assert r.exit_code == 0 and "_QUANTSERVE_COMPLETE" in r.output and mark in r.output, (shell, r.output)
+
+    def complete(words: str) -> list[str]:
+        env = {"_QUANTSERVE_COMPLETE": "bash_complete", "COMP_WORDS": words}
+        env["COMP_CWORD"] = str(len(words.split()) - 1)
+        r = CliRunner().invoke(main, [], env=env, prog_name="quantserve")
+        return [line.split(",", 1)[1] for line in r.output.splitlines()]
+
+    assert sorted(complete("quantserve co")) == ["completion", "convert"]
+    assert "--ctx-size" in complete("quantserve run --ctx")
+    assert CliRunner().invoke(main, ["completion", "tcsh"]).exit_code == 2
+
+
 def test_inspect_by_name_and_by_path(smollm2_gguf):
     for arg in ("smollm2", str(smollm2_gguf)):
         r = _cli("inspect", arg)
