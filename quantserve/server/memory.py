@@ -3,13 +3,13 @@ router's basis for unloading models to make room (--memory-budget)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import psutil
 
 
 def free_bytes(backend: str) -> int | None:
     """Memory a new model can use now: the GPU's free memory for the torch backend on CUDA, else the OS's
-    available memory (Linux's MemAvailable: free plus reclaimable page cache). None where it cannot be told."""
+    available memory as psutil reads it on each OS (Linux's MemAvailable: free plus reclaimable page cache;
+    macOS's free plus inactive pages; Windows' available physical memory). None where it cannot be told."""
     if backend == "torch":
         try:
             import torch
@@ -19,14 +19,8 @@ def free_bytes(backend: str) -> int | None:
         except ImportError:
             pass
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, NotImplementedError):
         return None
 
 
