@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from quantserve.errors import ConfigError
@@ -57,15 +59,21 @@ def ensure_gguf(
     t = time.perf_counter()
     key = cache.key(sources, quant)
     hit = cache.lookup(key)
+    if hit is None:
+        # One conversion per entry, also across processes (two servers started at once on a cold cache): the
+        # second waits on the entry's lock, then finds the first one's result.
+        with _locked(cache.lock_path(key), f"{directory} to {quant}"):
+            hit = cache.lookup(key)
+            if hit is None:
+                out = cache.store_dir(key) / "model.gguf"
+                _convert(hf_to_gguf, directory, out, quant)
+                _projector(spec, directory, out)
+                entry = cache.commit(key, out, directory, quant)
     if hit is not None:
         log.info(
             "in-situ %s: cache hit %s (%.1fs to check the source)", quant, hit.path, time.perf_counter() - t
         )
         return hit.path, None
-    out = cache.store_dir(key) / "model.gguf"
-    _convert(hf_to_gguf, directory, out, quant)
-    _projector(spec, directory, out)
-    entry = cache.commit(key, out, directory, quant)
     log.info(
         "in-situ %s: cached as %s (%.1f MB); the next start skips the conversion",
         quant,
@@ -73,6 +81,25 @@ def ensure_gguf(
         entry.size / 1e6,
     )
     return entry.path, None
+
+
+@contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """Hold the file lock at `path` (filelock: released by the OS if the process dies), saying so when another
+    process holds it."""
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is converting %s; waiting for it to finish (lock %s)", what, path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _convert(hf_to_gguf, src: Path, dst: Path, quant: str) -> None:

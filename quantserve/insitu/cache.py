@@ -54,6 +54,10 @@ class QuantCache:
         entry = self._entry(meta)
         return entry if entry is not None and entry.path.is_file() else None
 
+    def lock_path(self, key: str) -> Path:
+        """The file lock a conversion into entry `key` holds (beside the entry, so removing it leaves the lock)."""
+        return self.root / f"{key}.lock"
+
     def store_dir(self, key: str) -> Path:
         d = self.root / key
         d.mkdir(parents=True, exist_ok=True)
@@ -67,7 +71,7 @@ class QuantCache:
             "created": time.time(),
             "file": model_file.name,
         }
-        tmp = self.root / key / "meta.json.tmp"
+        tmp = self.root / key / f"meta.json.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(meta, indent=1))
         tmp.replace(self.root / key / "meta.json")  # the entry exists only once its model file is complete
         entry = self.lookup(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from tests.conftest import PARIS, start_server
+from tests.conftest import PARIS, start_server, together
 
 # Measured: re-quantizing SmolLM2 (itself a Q4_1 file) to the K-quant mixes q4_k_m / q5_k_m loses this answer
 # (it answers in French, like the model does without a system prompt), while q8_0, q6_k and q4_1 keep it. So the
@@ -19,15 +19,23 @@ def _ask(base_url: str) -> str:
 
 
 def test_run_hf_dir_quantizes_at_load_then_reuses_the_cache(smollm2_hf, tmp_path):
+    """Two servers started at once on a cold cache: one converts, the other waits on the entry's lock and serves
+    the result; a third start by path finds it cached."""
     cache = tmp_path / "cache"
     models = tmp_path / "models.toml"
     models.write_text(f'[models.smol-hf]\nsource = "{smollm2_hf}"\nquant = "q4_k_m"\n')
-    srv = start_server(tmp_path, "smol-hf", "--models-file", str(models), "--cache-dir", str(cache))
+    args = ("smol-hf", "--models-file", str(models), "--cache-dir", str(cache))
+    servers = together(lambda: start_server(tmp_path, *args), lambda: start_server(tmp_path, *args))
     try:
-        assert _ask(srv.base_url).strip()
+        for srv in servers:
+            assert _ask(srv.base_url).strip()
     finally:
-        assert srv.stop() == 0
-    assert "after conversion to GGUF (q4_k_m)" in srv.log() and "cached as" in srv.log()
+        assert [srv.stop() for srv in servers] == [0, 0]
+    logs = [srv.log() for srv in servers]
+    assert sum("in-situ quantization of" in log for log in logs) == 1, logs  # one conversion
+    assert sum("another process is converting" in log for log in logs) == 1, logs
+    assert all("after conversion to GGUF (q4_k_m)" in log for log in logs)
+    assert sum("cached as" in log for log in logs) == 1 and sum("cache hit" in log for log in logs) == 1
     cached = list(cache.glob("*/model.gguf"))
     assert len(cached) == 1
 
