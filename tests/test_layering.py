@@ -26,7 +26,7 @@ LAYERS = (
     ("evaluate", "rerank"),
     ("conversion_quality",),  # scores with evaluate
     ("server", "converters"),
-    ("cli",),
+    ("cli", "__main__"),  # python -m quantserve runs the cli
 )
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 # Lower layers a unit must still not import: the server reaches a model through quantserve.llm (LLM and its
