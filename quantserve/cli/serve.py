@@ -23,9 +23,12 @@ def _settings_options(func):
         args = [a for a in typing.get_args(ann) if a is not type(None)]
         base = args[0] if isinstance(ann, types.UnionType) and len(args) == 1 else ann
         opt = "--" + name.replace("_", "-")
+        # Each setting also reads QUANTSERVE_<NAME> (click's envvar; the command line wins): how services and
+        # containers configure a server, and a way to give --api-key that `ps` does not show.
+        env = {"envvar": f"QUANTSERVE_{name.upper()}", "show_envvar": True}
         if base is bool:
             flag = opt if name.startswith("no_") else f"{opt}/--no-{opt[2:]}"
-            func = click.option(flag, name, is_flag=True, default=None, help=field.description)(func)
+            func = click.option(flag, name, is_flag=True, default=None, help=field.description, **env)(func)
             continue
         if typing.get_origin(base) is typing.Literal:
             ptype = click.Choice(typing.get_args(base))
@@ -33,7 +36,7 @@ def _settings_options(func):
             ptype = {int: int, float: float, str: str}.get(base, str)
         default_txt = f" [default: {field.default}]" if field.default not in (None, "") else ""
         help_text = f"{field.description}{default_txt}"
-        func = click.option(opt, name, type=ptype, default=None, help=help_text)(func)
+        func = click.option(opt, name, type=ptype, default=None, help=help_text, **env)(func)
     return func
 
 
@@ -62,8 +65,9 @@ def run(model: str | None, **options) -> None:
         settings = ServerSettings(model=model, **{k: v for k, v in options.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
-        flag = "--" + str(err["loc"][0]).replace("_", "-")
-        fail(ConfigError(f"{flag}: {err['msg'].removeprefix('Value error, ')}"))
+        msg = err["msg"].removeprefix("Value error, ")
+        flag = "--" + str(err["loc"][0]).replace("_", "-") if err["loc"] else None  # (none: several fields')
+        fail(ConfigError(f"{flag}: {msg}" if flag else msg))
     setup_logging(settings.log_level)
     try:
         _torchrun_rank(settings)

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from importlib.resources import files
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
@@ -35,7 +36,7 @@ from quantserve.server.openai import routes as openai_routes
 from quantserve.server.rerank import router as rerank_router
 from quantserve.server.responses import routes as responses_routes
 from quantserve.server.responses.store import ResponseStore
-from quantserve.server.settings import ServerSettings
+from quantserve.server.settings import ServerSettings, cors_origins
 from quantserve.server.state import ServerState
 
 log = logging.getLogger("quantserve.server")
@@ -202,4 +203,8 @@ def create_app(
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    if origins := cors_origins(settings.allowed_origins):
+        # Outermost: a browser's preflight carries no key, and every answer, errors too, needs the CORS headers
+        # for the page to read it.
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     return app

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from quantserve.core.rpc import parse_endpoints
 from quantserve.core.settings import EngineSettings, parse_tensor_split
@@ -51,6 +53,16 @@ class ServerSettings(BaseModel):
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(default=None, description="require 'Authorization: Bearer KEY' on /v1 routes")
+    api_key_file: str | None = Field(
+        default=None,
+        description="read --api-key from this file (its first line), so that the key is in no command line",
+    )
+    allowed_origins: str | None = Field(
+        default=None,
+        description="web origins whose pages may call the API from a browser (CORS), comma-separated, e.g. "
+        "http://localhost:3000, or *; off by default: browsers refuse cross-origin calls (the chat page at / is "
+        "same-origin and needs none)",
+    )
     backend: Literal["auto", "llamacpp", "torch"] = Field(default="auto", description="inference backend")
     quant: str | None = Field(
         default=None, description="quantize a dense fp16/bf16 checkpoint at load (q4_k_m, q8_0, …), cached"
@@ -237,6 +249,35 @@ class ServerSettings(BaseModel):
                 raise ValueError(f"{v!r} is not a size; write e.g. 16G or 512M") from None
         return v
 
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, v: str | None) -> str | None:
+        for origin in cors_origins(v):
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin; write scheme://host[:port], e.g. http://localhost:3000"
+                )
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_file(cls, data: dict) -> dict:
+        """--api-key-file becomes --api-key, read once: a child process gets the key, not the file."""
+        if not isinstance(data, dict) or data.get("api_key_file") is None:
+            return data
+        path = data["api_key_file"]
+        if data.get("api_key") is not None:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        try:
+            key = Path(path).read_text().splitlines()[0].strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read a key from {path}: {exc}") from None
+        except IndexError:
+            key = ""
+        if not key:
+            raise ValueError(f"{path} holds no key on its first line")
+        return {**data, "api_key": key, "api_key_file": None}
+
     @field_validator("keep_alive")
     @classmethod
     def _duration(cls, v: str | None) -> str | None:
@@ -258,10 +299,15 @@ class ServerSettings(BaseModel):
         return resolved, self.engine_settings()
 
 
+def cors_origins(value: str | None) -> list[str]:
+    """--allowed-origins as a list (empty: CORS off)."""
+    return [o.strip().rstrip("/") for o in (value or "").split(",") if o.strip()]
+
+
 # Fields the HTTP server reads itself; every other field is an engine setting, passed on by name.
 SERVER_ONLY = {
     "model", "models_file", "models", "models_max", "memory_budget", "keep_alive",
-    "host", "port", "api_key", "no_cache", "responses_store_size", "max_body_bytes",
+    "host", "port", "api_key", "api_key_file", "allowed_origins", "no_cache", "responses_store_size", "max_body_bytes",
     "graceful_timeout", "log_level", "max_image_bytes", "max_images", "max_image_pixels",
     "image_urls", "allowed_media_domains",
     "image_timeout", "rpc_timeout",

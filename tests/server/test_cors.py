@@ -1,0 +1,95 @@
+"""Configured by environment, and called from a browser on another origin: a real `quantserve run` on SmolLM2 given
+its API key and --allowed-origins through QUANTSERVE_* variables, and pages served from two other ports in
+Debian's headless Chromium, one allowed and one not. The browser sends a CORS preflight (the Authorization header
+makes the request non-simple), then the call."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, start_server
+from tests.server.test_chat_page import browser, needs_browser  # noqa: F401 - the fixture, shared
+
+KEY = "env-s3cret"
+PAGE = """<!doctype html><title>page</title><pre id="out">waiting</pre><script>
+fetch("%s/v1/chat/completions", {method: "POST",
+  headers: {"Authorization": "Bearer %s", "Content-Type": "application/json"},
+  body: JSON.stringify({messages: [{role: "user", content: "Say hi"}], max_tokens: 4, temperature: 0})})
+ .then(r => r.json()).then(j => { out.textContent = "ok " + JSON.stringify(j.usage); })
+ .catch(e => { out.textContent = "refused " + e; });
+</script>"""
+
+
+def _handler(html: str) -> type[http.server.BaseHTTPRequestHandler]:
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = html.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    return Page
+
+
+@pytest.fixture(scope="module")
+def env_server(tmp_path_factory):
+    """The allowed page's origin is known before the server starts: its port is taken first."""
+    allowed, refused = free_port(), free_port()
+    env = {"QUANTSERVE_API_KEY": KEY, "QUANTSERVE_ALLOWED_ORIGINS": f"http://127.0.0.1:{allowed}"}
+    srv = start_server(tmp_path_factory.mktemp("cors"), "smollm2", "--max-num-seqs", "2", env=env)
+    srv.ports = (allowed, refused)
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_the_key_comes_from_the_environment_and_is_on_no_command_line(env_server):
+    assert httpx.get(env_server.base_url + "/v1/models").status_code == 401
+    ok = httpx.get(env_server.base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200
+    cmdline = Path(f"/proc/{env_server.proc.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in cmdline and b"--api-key" not in cmdline
+
+
+def test_preflight_answers_only_the_allowed_origin(env_server):
+    allowed, refused = (f"http://127.0.0.1:{p}" for p in env_server.ports)
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    url = env_server.base_url + "/v1/chat/completions"
+    yes = httpx.options(url, headers={"Origin": allowed, **ask})
+    assert yes.status_code == 200 and yes.headers["access-control-allow-origin"] == allowed
+    no = httpx.options(url, headers={"Origin": refused, **ask})
+    assert no.status_code == 400 and "access-control-allow-origin" not in no.headers
+
+
+@needs_browser
+def test_a_page_on_an_allowed_origin_calls_the_api_and_another_is_refused(env_server, browser):  # noqa: F811
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    results = {}
+    for port in env_server.ports:
+        httpd = http.server.HTTPServer(("127.0.0.1", port), _handler(PAGE % (env_server.base_url, KEY)))
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        try:
+            browser.get(f"http://127.0.0.1:{port}/")
+            WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "out").text != "waiting")
+            results[port] = browser.find_element(By.ID, "out").text
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+    allowed, refused = (results[p] for p in env_server.ports)
+    assert allowed.startswith("ok ") and json.loads(allowed[3:])["completion_tokens"] >= 1, allowed
+    assert refused.startswith("refused TypeError"), refused  # what fetch() says when CORS refuses
