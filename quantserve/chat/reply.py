@@ -6,7 +6,8 @@ that concatenate to the JSON the model wrote. ReplyAssembler keeps what was said
 against the tools: a reply whose calls do not hold up (unknown tool, arguments that are not JSON or fail the tool's
 schema, a call left unfinished when the model stopped) is returned as plain text content, never as a broken call.
 A reply cut off by max_tokens inside its calls keeps the calls written in full and drops the unfinished one, and so
-does the stream: a call's deltas are held until the call is complete, then sent in order.
+does the stream: a call's deltas are held until the call is complete, then sent in order. Cut inside its first call,
+a reply keeps its text as written instead, so that no reply comes back empty.
 """
 
 from __future__ import annotations
@@ -309,6 +310,7 @@ class ReplyAssembler:
         self.reasoning = reasoning
         self._content: list[str] = []
         self._held: list[Event] = []  # from the first delta of a call not yet complete on
+        self._announced = False  # whether a call's delta went out (a stream cannot take it back)
 
     def feed(self, text: str) -> list[Event]:
         if not text:
@@ -356,7 +358,11 @@ class ReplyAssembler:
             if c.started and (c.complete or not dropping)
         )
         problem = None
-        if p.malformed:
+        if dropping and not calls:
+            # Cut inside its only call (or its first): no call stands, and an empty reply breaks clients
+            # (Anthropic's content[0]), so the text as written is the reply.
+            problem = "cut inside its first tool call"
+        elif p.malformed:
             problem = "the text does not follow the tool-call format"
         elif unfinished and not dropping:
             problem = "a tool call is incomplete"
@@ -366,6 +372,11 @@ class ReplyAssembler:
             problem = next((q for q in map(self.checker.problem, calls) if q), None)
         if problem is not None:
             log.info("a reply is returned as text: %s", problem)
+            if not self._announced:  # the stream sends what it held back (the parser trimmed what it said)
+                said = "".join(self._content)
+                at = p.text.find(said) if said else -1
+                rest = p.text[at + len(said) :] if at >= 0 else p.text
+                events += [TextDelta(rest)] if rest else []
             return events, Reply(p.text or None, (), finish_reason, thought)
         content = "".join(self._content) or None
         if calls:
@@ -384,4 +395,5 @@ class ReplyAssembler:
                 out.append(replace(e, id=self.parser.calls[e.index].id))  # an id written after the name
             else:
                 out.append(e)
+        self._announced = self._announced or any(isinstance(e, CallDelta) for e in out)
         return out

@@ -152,6 +152,26 @@ def test_a_call_cut_off_by_max_tokens_comes_back_as_text(client):
     assert r.json()["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.parametrize("max_tokens", [5, 1])
+def test_a_message_cut_inside_its_only_tool_call_is_never_empty(client, max_tokens):
+    """/v1/messages cut by max_tokens inside its only tool_use (5 tokens), or before anything (1): at least one
+    content block, whole and streamed (clients read content[0]), holding the text as written."""
+    tool = {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}
+    body = {"messages": [PARIS[1]], "tools": [tool], "tool_choice": {"type": "any"}, "max_tokens": max_tokens}
+    r = client.post("/v1/messages", json={**body, "temperature": 0})
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert whole["stop_reason"] == "max_tokens" and whole["content"], whole
+    assert [b["type"] for b in whole["content"]] == ["text"]
+    with client.stream("POST", "/v1/messages", json={**body, "temperature": 0, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert [b["type"] for b in starts] == ["text"] and text == whole["content"][0]["text"]
+    if max_tokens == 5:
+        assert whole["content"][0]["text"].startswith('{"tool_call')  # the generic format's JSON, as written
+
+
 def test_developer_messages_are_system_messages_for_templates_without_that_role(client):
     counts = [
         client.post("/v1/messages/count_tokens", json={"messages": [PARIS[1]], "system": "Be brief."}).json(),

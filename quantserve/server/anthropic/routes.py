@@ -89,8 +89,8 @@ def _content(reply: Reply) -> list[dict[str, Any]]:
     blocks: list[dict[str, Any]] = []
     if reply.reasoning:
         blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": SIGNATURE})
-    if reply.content:
-        blocks.append({"type": "text", "text": reply.content})
+    if reply.content or not (blocks or reply.tool_calls):  # never no block: clients read content[0]
+        blocks.append({"type": "text", "text": reply.content or ""})
     return blocks + [
         {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)}
         for c in reply.tool_calls
@@ -141,6 +141,10 @@ class _Blocks:
         data = {"type": "content_block_start", "index": self.index, "content_block": block}
         return [*out, sse(data, event="content_block_start")]
 
+    def at_least_one(self) -> list[bytes]:
+        """An empty text block when no block was sent, as the whole message has one (clients read content[0])."""
+        return self._start({"type": "text", "text": ""}, "text") if self.index < 0 else []
+
     def close(self) -> list[bytes]:
         if self.open is None:
             return []
@@ -180,6 +184,7 @@ class _MessageEncoder:
         reason, seq = _stop(self.choice)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
         return [
+            *self.blocks.at_least_one(),
             *self.blocks.close(),
             sse({**delta, "usage": {"output_tokens": self.choice.num_output_tokens}}, event="message_delta"),
             sse({"type": "message_stop"}, event="message_stop"),
