@@ -18,6 +18,10 @@ from quantserve.errors import ConfigError, ModelNotFoundError
 log = logging.getLogger("quantserve.registry")
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# org/name:TAG (llama-server's -hf, Ollama's hf.co/org/name:TAG): TAG picks a GGUF file of the repository by its type
+_HUB_REF = re.compile(r"^(?:(?:hf\.co|huggingface\.co)/)?([A-Za-z0-9][\w.-]*/[\w.-]+?)(?::([\w.-]+))?$")
+_DEFAULT_TAG = "Q4_K_M"  # as llama-server picks without a tag
+_SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 
 
 class ModelEntry(BaseModel):
@@ -184,8 +188,9 @@ def resolve(spec: str | None, registry: Registry) -> ResolvedModel:
     p = Path(spec).expanduser()
     if p.exists():
         return ResolvedModel(p.name, p, ModelEntry(source=str(p)))
-    if _HUB_ID.match(spec) and not spec.startswith((".", "/")):
-        return ResolvedModel(spec, _from_hub(spec, None), ModelEntry(source=spec))
+    if (ref := _HUB_REF.match(spec)) and not spec.startswith((".", "/")):
+        repo_id, tag = ref.groups()
+        return ResolvedModel(spec, _from_hub(repo_id, None, tag), ModelEntry(source=repo_id))
     known = ", ".join(registry.names()) or "(none)"
     raise ModelNotFoundError(
         f"unknown model {spec!r}: it is not a name in {registry.path or 'models.toml'} (known: {known}), "
@@ -248,13 +253,35 @@ def _from_package(ref: str) -> Path:
     return path
 
 
-def _from_hub(repo_id: str, file: str | None) -> Path:
-    """Download into the usual Hugging Face cache (with a progress bar), or use the cache alone when offline."""
+def _from_hub(repo_id: str, file: str | None, tag: str | None = None) -> Path:
+    """Download into the usual Hugging Face cache (with a progress bar), or use the cache alone when offline. A
+    repository of GGUF files gives the one of type `tag` (default Q4_K_M, else its first), every part of a split
+    one, and its vision projector; any other gives its safetensors and configs."""
     import huggingface_hub as hf
+    from huggingface_hub import constants
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    offline = constants.HF_HUB_OFFLINE  # huggingface_hub's own reading of HF_HUB_OFFLINE
+    if file is None:
+        names = _repo_files(repo_id, offline)
+        ggufs = sorted(n for n in names if n.lower().endswith(".gguf"))
+        if ggufs:
+            picked = _pick_gguf(repo_id, ggufs, tag)
+            log.info("%s: %s", repo_id, ", ".join(picked))
+            try:
+                paths = [Path(hf.hf_hub_download(repo_id, n, local_files_only=offline)) for n in picked]
+            except LocalEntryNotFoundError as exc:
+                raise ModelNotFoundError(_not_cached(repo_id)) from exc
+            except Exception as exc:  # HTTP errors…
+                raise ModelNotFoundError(f"could not fetch {repo_id!r} from the hub: {exc}") from exc
+            return paths[0]
+        if tag is not None:
+            raise ModelNotFoundError(
+                f"{repo_id}:{tag}: a tag picks a GGUF file by its type, and {repo_id} has no GGUF files; "
+                f"run {repo_id} without ':{tag}' (its safetensors), with --quant to quantize them",
+                param="model",
+            )
     patterns = [file] if file else ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.jinja", "*.txt"]
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
         path = hf.snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline)
     except LocalEntryNotFoundError as exc:
@@ -269,6 +296,54 @@ def _from_hub(repo_id: str, file: str | None) -> Path:
         raise ModelNotFoundError(f"could not fetch {repo_id!r} from the hub: {exc}") from exc
     p = Path(path)
     return p / file if file else p
+
+
+def _repo_files(repo_id: str, offline: bool) -> list[str]:
+    """The repository's file names: from the hub, or offline from the cached snapshot (what was fetched before)."""
+    import huggingface_hub as hf
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if offline:
+        try:
+            snap = Path(hf.snapshot_download(repo_id, local_files_only=True))
+        except LocalEntryNotFoundError as exc:
+            raise ModelNotFoundError(_not_cached(repo_id)) from exc
+        return [str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file()]
+    try:  # an HfApi of now: HF_ENDPOINT as the environment says, read when the call is made
+        return [s.rfilename for s in hf.HfApi().model_info(repo_id).siblings or []]
+    except Exception as exc:  # RepositoryNotFoundError, GatedRepoError, connection errors…
+        raise ModelNotFoundError(f"could not fetch {repo_id!r} from the hub: {exc}") from exc
+
+
+def _gguf_type(name: str) -> str | None:
+    """The type a GGUF file's name gives (SmolLM2-135M-Instruct-Q4_K_M.gguf, model.q8_0-00001-of-00002.gguf)."""
+    stem = _SPLIT.sub("", Path(name).name)
+    stem = stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    found = re.findall(r"(?:^|[-._])((?:I?Q\d[\w]*|F16|F32|BF16|MXFP4\w*))$", stem, re.IGNORECASE)
+    return found[-1].upper() if found else None
+
+
+def _pick_gguf(repo_id: str, ggufs: list[str], tag: str | None) -> list[str]:
+    """The files `tag` names: the model (every part, if split) and then a vision projector, if any."""
+    projectors = [n for n in ggufs if "mmproj" in Path(n).name.lower()]
+    models = [n for n in ggufs if n not in projectors]
+    types = {n: _gguf_type(n) for n in models}
+    want = (tag or _DEFAULT_TAG).upper()
+    chosen = [n for n in models if types[n] == want]
+    if not chosen and tag is None and models:
+        chosen = [n for n in models if types[n] == types[models[0]]]  # no Q4_K_M: the first type
+    if not chosen:
+        have = sorted({t for t in types.values() if t}) or ["(no type in the file names)"]
+        raise ModelNotFoundError(
+            f"{repo_id} has no {want} GGUF; it has {', '.join(have)}; run {repo_id}:{have[0]}", param="model"
+        )
+    if split := _SPLIT.search(chosen[0]):  # every part of the first split model of that type
+        prefix = chosen[0][: split.start()]
+        chosen = sorted(n for n in chosen if n.startswith(prefix) and _SPLIT.search(n))
+    else:
+        chosen = chosen[:1]
+    projector = sorted(projectors, key=lambda n: ("f16" not in n.lower(), n))[:1]  # f16 if there is one
+    return chosen + projector
 
 
 def _not_cached(repo_id: str) -> str:

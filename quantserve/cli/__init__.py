@@ -8,7 +8,7 @@ from quantserve import __version__
 from quantserve.cli.bench import bench
 from quantserve.cli.convert import convert
 from quantserve.cli.eval import eval_group
-from quantserve.cli.models import cache, inspect, models
+from quantserve.cli.models import cache, inspect, models, pull
 from quantserve.cli.rpc import rpc_worker
 from quantserve.cli.serve import run
 
@@ -36,5 +36,5 @@ def completion(shell: str) -> None:
     click.echo(script.source())
 
 
-for command in (run, models, inspect, cache, convert, eval_group, bench, rpc_worker, completion):
+for command in (run, pull, models, inspect, cache, convert, eval_group, bench, rpc_worker, completion):
     main.add_command(command)

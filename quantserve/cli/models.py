@@ -68,6 +68,28 @@ def inspect(model: str, models_file: str | None, **flags) -> None:
         fail(exc)
 
 
+@click.command()
+@click.argument("model")
+@click.option("--models-file", default=None, help="models.toml to read (default: ./models.toml)")
+def pull(model: str, models_file: str | None) -> None:
+    """Fetch MODEL from the Hugging Face hub into its cache ahead of `run`, with progress: a hub id (org/name), a
+    GGUF repository with the type to take (org/name:Q4_K_M; without one, Q4_K_M or its first type), or a models.toml
+    name whose source is on the hub. Prints the local path. HF_HOME, HF_ENDPOINT and HF_TOKEN are huggingface_hub's.
+
+    \b
+    Examples:
+      quantserve pull bartowski/SmolLM2-135M-Instruct-GGUF:Q4_K_M
+      quantserve pull HuggingFaceTB/SmolLM2-135M-Instruct     # safetensors and configs
+    """
+    from quantserve.registry import find_models_toml, load_registry, resolve
+
+    try:
+        resolved = resolve(model, load_registry(find_models_toml(models_file)))
+    except QuantserveError as exc:
+        fail(exc)
+    click.echo(str(resolved.path))
+
+
 @click.group()
 def cache() -> None:
     """The in-situ quantization cache (models converted by `run --quant`)."""
