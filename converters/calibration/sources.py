@@ -148,8 +148,8 @@ def _dataset_text(name: str, min_chars: int) -> str:
         import datasets
     except ImportError as exc:
         raise ConfigError(
-            "--calib-dataset needs the `datasets` package (pip install datasets) and access to the Hugging Face "
-            "Hub; offline, use --calib FILE or --calib self",
+            "--calib-dataset needs the `datasets` package (pip install 'quantserve[datasets]') and access to the "
+            "Hugging Face Hub; offline, use --calib FILE or --calib self",
             param="calib_dataset",
         ) from exc
     org_name, _, config = name.partition(":")

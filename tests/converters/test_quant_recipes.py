@@ -164,7 +164,7 @@ def test_cli_calibration_errors(tmp_path: Path, monkeypatch) -> None:
     assert r.exit_code != 0 and "no such file" in r.output and "'self'" in r.output
     monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
     r = run(cli, [*base, "--quant", "gptq", "--calib-dataset", "org/name"])
-    assert r.exit_code != 0 and "pip install datasets" in r.output
+    assert r.exit_code != 0 and "pip install 'quantserve[datasets]'" in r.output
     r = run(cli, [*base, "--quant", "awq", "--bits-budget", "5"])
     assert r.exit_code != 0 and "--bits-budget needs a format" in r.output
     r = run(cli, [*base, "--quant", "rtn", "--bits-budget", "1.5", "--calib-samples", "2"])
