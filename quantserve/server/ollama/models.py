@@ -248,7 +248,11 @@ _INSTEAD = {
 
 @router.api_route("/api/create", methods=["POST"])
 @router.api_route("/api/push", methods=["POST"])
-@router.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])
 async def unsupported(request: Request):
     what = request.url.path.split("/")[2]
     return JSONResponse({"error": f"/api/{what} is not supported: {_INSTEAD[what]}"}, status_code=501)
+
+
+@router.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])
+async def unsupported_blobs(request: Request, digest: str):  # (digest: so that the OpenAPI schema declares it)
+    return await unsupported(request)
