@@ -38,7 +38,7 @@ endif
 LLAMA_CPP_PY := llama-cpp-python==0.3.36
 VOCABS := bench/.build/src/vendor/llama.cpp/models/.extracted-vocabs-templates
 
-.PHONY: setup serve test test-fast test-latest lock lint bench clean chromium print-llama-args
+.PHONY: setup serve test test-fast test-latest lock lint docs bench clean chromium print-llama-args
 
 setup: $(STAMP) chromium
 
@@ -58,8 +58,13 @@ serve: $(STAMP)
 # Two workers (pytest-xdist), each test file on one of them (its module's fixtures built once), each worker's
 # threads sized to its share of the cores (tests/conftest.py); the 25 slowest tests are listed at the end.
 WORKERS ?= 2
-test: setup $(VOCABS)
+test: setup $(VOCABS) docs
 	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile --durations=25
+
+# The documentation site from docs/ (mkdocs.yml) into build/site. --strict fails on a broken link or a page missing
+# from the nav (not with -q, which hides the warnings that --strict counts).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # The edit loop's tier (about 3 minutes): no server process, no llama.cpp converter as the oracle (conftest marks
 # those `slow`). CI runs everything.

@@ -30,3 +30,21 @@ def test_client_examples(server):
     env = {"QUANTSERVE_URL": server.base_url}
     assert "completion tokens]" in _run("openai_client.py", env)
     assert "'city'" in _run("json_output.py", env)
+
+
+def test_readme_examples(server, tmp_path):
+    """The README's Python blocks, in order and as written, against the session's server (its port for 8000): the
+    OpenAI chat, Responses, Anthropic and Ollama calls each print the answer."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 2
+    script = tmp_path / "readme.py"
+    script.write_text("\n".join(blocks).replace("http://127.0.0.1:8000", server.base_url))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    answers = r.stdout.strip().splitlines()
+    assert len(answers) == 4 and all("Paris" in a for a in answers), (
+        r.stdout
+    )  # greedy: each as the README says

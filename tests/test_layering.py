@@ -2,7 +2,7 @@
 
 Every `import`/`from … import` of quantserve code, at module level or inside a function, is read with `ast`
 and checked against LAYERS: a package may import its own modules and those of lower layers, never a sibling
-on its own layer or anything above. The README's architecture section draws the same picture.
+on its own layer or anything above. docs/architecture.md draws the same picture.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def violations(repo: Path) -> list[str]:
             own = _unit(name)
             where = f"{path.relative_to(repo)}"
             if own and own not in RANK:
-                bad.append(f"{where}: {own!r} is on no layer; add it to LAYERS (and to the README's drawing)")
+                bad.append(
+                    f"{where}: {own!r} is on no layer; add it to LAYERS (and to docs/architecture.md's drawing)"
+                )
                 continue
             here = name if path.name == "__init__.py" else name.rpartition(".")[0]
             for line, target in _imports(ast.parse(path.read_text(encoding="utf-8")), here):

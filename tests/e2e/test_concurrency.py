@@ -69,7 +69,7 @@ def _texts(base_url: str, parallel: bool) -> list[str]:
 
 def test_concurrent_greedy_equals_alone(server):
     """Every sequence has its own KV cells (the default), so batching does not change the arithmetic: the texts
-    are identical, not merely close (see README, 'Batch invariance'). The prefix cache is on, so this also shows
+    are identical, not merely close (see docs/speed.md, 'Batch invariance'). The prefix cache is on, so this also shows
     that reusing cached prefixes changes nothing."""
     alone = _texts(server.base_url, parallel=False)
     assert _texts(server.base_url, parallel=True) == alone

@@ -249,7 +249,7 @@ def test_typed_question_gets_a_streamed_answer(page):
     assert len(set(lengths)) >= 3, lengths
     assert page.titles()[0].startswith("Write a Python function")
     assert page.errors() == []
-    # The README's screenshot; off by default, so that a test run leaves the tree clean.
+    # docs/serving.md's screenshot; off by default, so that a test run leaves the tree clean.
     if os.environ.get("QUANTSERVE_SCREENSHOT") == "1":
         page.by_id("settings-toggle").click()
         page.d.set_window_size(1280, 1000)

@@ -91,7 +91,7 @@ def test_greedy_tokens_equal_transformers(llm, llava, name):
         top2 = logits[same].topk(2).values
         gap = float(top2[0] - top2[1]) / float(logits[same].abs().max())
         print(f"{name}: first {same} tokens equal; then a near tie, gap {gap:.2e} of the logit scale")
-        # libmtmd's class-token order (README, "llama.cpp backend") moves logprobs by 0.02-0.07 whatever the
+        # libmtmd's class-token order (docs/vision.md, "llama.cpp backend") moves logprobs by 0.02-0.07 whatever the
         # crop, so a near tie may part as early as the first token (wide.png: 5.4e-3 of the scale, measured)
         assert gap < 1e-2
     # the image is read: the other image gives another answer
