@@ -254,5 +254,6 @@ async def unsupported(request: Request):
 
 
 @router.api_route("/api/blobs/{digest}", methods=["HEAD", "POST"])
-async def unsupported_blobs(request: Request, digest: str):  # (digest: so that the OpenAPI schema declares it)
+async def unsupported_blobs(request: Request, digest: str):
+    """(`digest` is a parameter so that the OpenAPI schema declares it.)"""
     return await unsupported(request)
