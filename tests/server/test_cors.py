@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, start_server
+from tests.conftest import start_server
 from tests.server.test_chat_page import browser, needs_browser  # noqa: F401 - the fixture, shared
 
 KEY = "env-s3cret"
@@ -26,31 +26,45 @@ fetch("%s/v1/chat/completions", {method: "POST",
 </script>"""
 
 
-def _handler(html: str) -> type[http.server.BaseHTTPRequestHandler]:
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            body = html.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+class _Page(http.server.ThreadingHTTPServer):
+    """A page on an origin of its own, bound before the API server starts (port 0: no other process can take its
+    port in between); it serves PAGE once the API's URL is known."""
 
-        def log_message(self, *args):
-            pass
+    def __init__(self):
+        self.html = ""
+        page = self
 
-    return Page
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                body = page.html.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.origin = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 @pytest.fixture(scope="module")
 def env_server(tmp_path_factory):
-    """The allowed page's origin is known before the server starts: its port is taken first."""
-    allowed, refused = free_port(), free_port()
-    env = {"QUANTSERVE_API_KEY": KEY, "QUANTSERVE_ALLOWED_ORIGINS": f"http://127.0.0.1:{allowed}"}
+    """Served by environment variables alone; one page's origin allowed, the other's not."""
+    pages = _Page(), _Page()
+    env = {"QUANTSERVE_API_KEY": KEY, "QUANTSERVE_ALLOWED_ORIGINS": pages[0].origin}
     srv = start_server(tmp_path_factory.mktemp("cors"), "smollm2", "--max-num-seqs", "2", env=env)
-    srv.ports = (allowed, refused)
+    for page in pages:
+        page.html = PAGE % (srv.base_url, KEY)
+    srv.pages = pages
     yield srv
     assert srv.stop() == 0
+    for page in pages:
+        page.shutdown()
+        page.server_close()
 
 
 def test_the_key_comes_from_the_environment_and_is_on_no_command_line(env_server):
@@ -62,7 +76,7 @@ def test_the_key_comes_from_the_environment_and_is_on_no_command_line(env_server
 
 
 def test_preflight_answers_only_the_allowed_origin(env_server):
-    allowed, refused = (f"http://127.0.0.1:{p}" for p in env_server.ports)
+    allowed, refused = (page.origin for page in env_server.pages)
     ask = {
         "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type",
@@ -79,17 +93,11 @@ def test_a_page_on_an_allowed_origin_calls_the_api_and_another_is_refused(env_se
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    results = {}
-    for port in env_server.ports:
-        httpd = http.server.HTTPServer(("127.0.0.1", port), _handler(PAGE % (env_server.base_url, KEY)))
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        try:
-            browser.get(f"http://127.0.0.1:{port}/")
-            WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "out").text != "waiting")
-            results[port] = browser.find_element(By.ID, "out").text
-        finally:
-            httpd.shutdown()
-            httpd.server_close()
-    allowed, refused = (results[p] for p in env_server.ports)
+    results = []
+    for page in env_server.pages:
+        browser.get(page.origin + "/")
+        WebDriverWait(browser, 120).until(lambda d: d.find_element(By.ID, "out").text != "waiting")
+        results.append(browser.find_element(By.ID, "out").text)
+    allowed, refused = results
     assert allowed.startswith("ok ") and json.loads(allowed[3:])["completion_tokens"] >= 1, allowed
     assert refused.startswith("refused TypeError"), refused  # what fetch() says when CORS refuses
