@@ -5,15 +5,14 @@ makes the request non-simple), then the call."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import start_server
+from tests.fixtures.static_server import StaticServer
 from tests.server.test_chat_page import browser, needs_browser  # noqa: F401 - the fixture, shared
 
 KEY = "env-s3cret"
@@ -26,45 +25,19 @@ fetch("%s/v1/chat/completions", {method: "POST",
 </script>"""
 
 
-class _Page(http.server.ThreadingHTTPServer):
-    """A page on an origin of its own, bound before the API server starts (port 0: no other process can take its
-    port in between); it serves PAGE once the API's URL is known."""
-
-    def __init__(self):
-        self.html = ""
-        page = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                body = page.html.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.origin = f"http://127.0.0.1:{self.server_port}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
 def env_server(tmp_path_factory):
     """Served by environment variables alone; one page's origin allowed, the other's not."""
-    pages = _Page(), _Page()
+    pages = StaticServer(), StaticServer()
     env = {"QUANTSERVE_API_KEY": KEY, "QUANTSERVE_ALLOWED_ORIGINS": pages[0].origin}
     srv = start_server(tmp_path_factory.mktemp("cors"), "smollm2", "--max-num-seqs", "2", env=env)
     for page in pages:
-        page.html = PAGE % (srv.base_url, KEY)
+        page.body = (PAGE % (srv.base_url, KEY)).encode()
     srv.pages = pages
     yield srv
     assert srv.stop() == 0
     for page in pages:
-        page.shutdown()
-        page.server_close()
+        page.close()
 
 
 def test_the_key_comes_from_the_environment_and_is_on_no_command_line(env_server):

@@ -221,25 +221,11 @@ def test_text_only_model_refuses_images(server):
 def test_image_url_from_an_allowed_host_and_urls_switched_off(tiny_llava, tmp_path):
     """A URL is fetched from a host the operator allowed (a local server here, private, so named explicitly);
     --no-image-urls refuses URLs and still takes data: URIs."""
-    import http.server
-    import threading
+    from tests.fixtures.static_server import StaticServer
 
     png = sample_images()["tall.jpg"]
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            self.send_response(200)
-            self.send_header("Content-Type", "image/jpeg")
-            self.send_header("Content-Length", str(len(png)))
-            self.end_headers()
-            self.wfile.write(png)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.jpg"
+    httpd = StaticServer(png, "image/jpeg")
+    url = f"{httpd.origin}/cat.jpg"
     model = str(tiny_llava["torch"])
     try:
         for flags, expect in ((("--allowed-media-domains", "127.0.0.1"), 200), (("--no-image-urls",), 400)):
@@ -262,7 +248,7 @@ def test_image_url_from_an_allowed_host_and_urls_switched_off(tiny_llava, tmp_pa
             finally:
                 srv.stop()
     finally:
-        httpd.shutdown()
+        httpd.close()
 
 
 def test_ollama_client_chat_with_images(vision_server):
