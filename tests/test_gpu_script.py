@@ -75,7 +75,9 @@ def test_staged_parts_round_trip_and_refuse_a_missing_or_damaged_part(tmp_path):
     got = stage.assemble(tmp_path / "dest", root=root)
     assert (got / "weights.bin").read_bytes() == (src / "weights.bin").read_bytes()
 
-    parts[1].write_bytes(parts[1].read_bytes()[:-1] + b"x")
+    damaged = bytearray(parts[1].read_bytes())
+    damaged[-1] ^= 0xFF  # changed, whatever it was (b"x" written over an "x" was no damage)
+    parts[1].write_bytes(bytes(damaged))
     with pytest.raises(stage.StageError, match="does not match the manifest"):
         stage.assemble(tmp_path / "dest2", root=root)
     parts[0].unlink()
