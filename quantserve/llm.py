@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import uuid
@@ -12,10 +13,11 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
-from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, build_prompt, tool_format
+from quantserve.chat import ChatPrompt, ChatRequest, ChatTemplate, Reply, TextDelta, build_prompt, tool_format
 from quantserve.chat.formats import ToolFormat
 from quantserve.chat.reasoning import ReasoningFormat
 from quantserve.chat.reasoning_request import ReasoningRequest
+from quantserve.chat.tools import parse_openai_tool_choice, parse_openai_tools
 from quantserve.core.detokenizer import IncrementalDetokenizer
 from quantserve.core.multimodal import Image, ImageSpan, expand_images
 from quantserve.core.plan import ModelPlan
@@ -36,7 +38,8 @@ from quantserve.errors import (
     ModelUnavailableError,
 )
 from quantserve.registry import ResolvedModel
-from quantserve.structured import GuideCompiler
+from quantserve.structured import Grammar, GuideCompiler
+from quantserve.submission import Choice, Submission, TextRequest
 
 log = logging.getLogger("quantserve")
 
@@ -332,15 +335,135 @@ class LLM:
             seq.guide = self.guides.guide(params.grammar)  # a grammar llguidance rejects is a 400 here
         return self._engine.generate(seq)
 
-    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> AsyncIterator[str]:
-        """Stream the assistant's reply to OpenAI-style messages; `sampling` takes SamplingParams' fields."""
-        prompt, tokens, _ = self.prepare_chat(ChatRequest(messages))
+    def submit(self, request: TextRequest) -> Submission:
+        """Start `request` on the engine: the one pipeline of the library and every API. A chat's prompt (its tools
+        in the model's format, its grammar, its reasoning controls), the prompts' tokens, the context check, the
+        sampling over the model's defaults, the thinking budget, n choices per prompt (seeds seed + i, so that
+        choices differ) and, for a chat, a reply parser per choice.
+
+        Raises:
+            InvalidRequestError: a field of the request (ChatTemplateError, ContextLengthExceededError among
+                them), named in `param`.
+            QueueFullError: the engine's queue has no room (the choices already queued are aborted).
+        """
+        chat, spans = None, []
+        if request.chat is not None:
+            chat, tokens, spans = self.prepare_chat(request.chat, request.images)
+            prompts = [tokens]
+        else:
+            if not request.prompts:
+                raise InvalidRequestError("'prompt' is empty", param="prompt")
+            prompts = [self._prompt_tokens(p) for p in request.prompts]
+        if request.context:
+            self.check_tokens(request.context, "context")
+            prompts = [[*request.context, *p] for p in prompts]
+        max_tokens = min(self.check_context(len(p), request.max_tokens) for p in prompts)
         params = self.sampling_params(
-            **{**sampling, "max_tokens": self.check_context(len(tokens), sampling.get("max_tokens"))}
+            **request.sampling,
+            max_tokens=max_tokens,
+            grammar=chat.grammar if chat is not None else request.grammar,
+            skip_special_tokens=chat.skip_special_tokens if chat is not None else None,
         )
-        async for out in self.generate(tokens, params):
+        if chat is not None and chat.reasoning is not None:
+            params = replace(params, thinking=self.thinking_spec(chat), skip_special_tokens=False)
+        rid = request.request_id or uuid.uuid4().hex
+        gens: list[RequestStream] = []
+        choices: list[Choice] = []
+        try:
+            for p, tokens in enumerate(prompts):
+                for j in range(request.n):
+                    seeded = (
+                        params
+                        if request.n == 1 or params.seed is None
+                        else replace(params, seed=params.seed + j)
+                    )
+                    gens.append(self.generate(tokens, seeded, f"{rid}-{p}-{j}", spans))
+                    assembler = chat.assembler() if chat is not None else None
+                    choices.append(
+                        Choice(len(choices), p, num_prompt_tokens=len(tokens), assembler=assembler)
+                    )
+        except BaseException:
+            for g in gens:
+                g.close()  # a later choice was refused (queue full): abort the ones already queued
+            raise
+        return Submission(prompts, chat, gens, choices)
+
+    def _prompt_tokens(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize_prompt(prompt, chat=False)
+        self.check_tokens(prompt, "prompt")
+        return list(prompt)
+
+    def chat_request(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        parallel_tool_calls: bool = True,
+        response_schema: dict[str, Any] | None = None,
+        grammar: Grammar | None = None,
+        thinking: bool | None = None,
+        reasoning_budget: int | None = None,
+        reasoning_effort: str | None = None,
+    ) -> ChatRequest:
+        """A chat as the library states it: OpenAI-style messages and tools, and the reasoning controls of
+        /v1/chat/completions (`thinking`: its chat_template_kwargs.enable_thinking) over the model's settings."""
+        parsed = parse_openai_tools(tools)
+        asked = "reasoning_budget" if reasoning_budget is not None else ("thinking" if thinking else None)
+        return ChatRequest(
+            messages=messages,
+            tools=parsed,
+            tool_choice=parse_openai_tool_choice(tool_choice, parsed),
+            parallel_tool_calls=parallel_tool_calls,
+            response_schema=response_schema,
+            grammar=grammar,
+            reasoning=self.reasoning_request(
+                enable=thinking, budget=reasoning_budget, effort=reasoning_effort, asked=asked
+            ),
+        )
+
+    async def chat(
+        self, messages: list[dict[str, Any]], *, max_tokens: int | None = None, n: int = 1, **options: Any
+    ) -> AsyncIterator[str]:
+        """Stream the answer to OpenAI-style messages (its reasoning and tool calls are not in it: `reply` has
+        them). `options`: chat_request's keywords (tools, grammar, thinking, reasoning_budget, …) and
+        SamplingParams' fields (temperature, seed, stop, …)."""
+        async for _, _, events in self._submit_chat(messages, max_tokens, n, options).outputs():
+            for e in events:
+                if isinstance(e, TextDelta) and e.text:
+                    yield e.text
+
+    async def reply(
+        self, messages: list[dict[str, Any]], *, max_tokens: int | None = None, **options: Any
+    ) -> Reply:
+        """The whole reply to a chat, as the server's /v1/chat/completions gives it: answer, reasoning, tool
+        calls and finish reason. Takes chat's keywords."""
+        (choice,) = await self._submit_chat(messages, max_tokens, 1, options).finish()
+        assert choice.reply is not None
+        return choice.reply
+
+    async def complete(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int | None = None,
+        grammar: Grammar | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[str]:
+        """Stream the continuation of a prompt (text, or token ids), as /v1/completions does."""
+        request = TextRequest(prompts=[prompt], max_tokens=max_tokens, grammar=grammar, sampling=sampling)
+        async for _, out, _ in self.submit(request).outputs():
             if out.text:
                 yield out.text
+
+    def _submit_chat(
+        self, messages: list[dict[str, Any]], max_tokens: int | None, n: int, options: dict[str, Any]
+    ) -> Submission:
+        chat_keys = set(inspect.signature(self.chat_request).parameters) - {"messages"}
+        chat = self.chat_request(messages, **{k: v for k, v in options.items() if k in chat_keys})
+        sampling = {k: v for k, v in options.items() if k not in chat_keys}
+        return self.submit(TextRequest(chat=chat, max_tokens=max_tokens, sampling=sampling, n=n))
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")

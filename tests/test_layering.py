@@ -22,6 +22,7 @@ LAYERS = (
     ("insitu", "vision"),
     ("backends",),
     ("engine",),
+    ("submission",),  # the request pipeline's types: what LLM.submit takes and gives back
     ("llm",),
     ("evaluate", "rerank"),
     ("conversion_quality",),  # scores with evaluate

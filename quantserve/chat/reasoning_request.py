@@ -64,7 +64,7 @@ class ReasoningRequest:
         if the model has no reasoning).
 
         Raises:
-            InvalidRequestError: a budget that is not a positive integer, an effort not low/medium/high.
+            InvalidRequestError: a budget that is not an integer of 0 or more, an effort not low/medium/high.
         """
         mode = settings.reasoning if enable is None else ("on" if enable else "off")
         budget = check_budget(budget, budget_param)
@@ -78,16 +78,18 @@ class ReasoningRequest:
 
 
 def check_budget(value: Any, param: str) -> int | None:
-    """A reasoning budget from a request: None or a positive integer.
+    """A reasoning budget from a request: None or a non-negative integer, as --reasoning-budget takes it (0: the
+    reasoning block is closed at once).
 
     Raises:
         InvalidRequestError: anything else, naming `param`.
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidRequestError(
-            f"'{param}' must be a positive integer (a number of reasoning tokens); got {value!r}", param=param
+            f"'{param}' must be a number of reasoning tokens, 0 or more (0: no thinking); got {value!r}",
+            param=param,
         )
     return value
 

@@ -1,5 +1,5 @@
-"""Running requests on the engine for every API: n choices per prompt, their outputs interleaved as they arrive,
-SSE framing, cancellation when the client goes away, and chats turned into reply events (text and tool calls)."""
+"""Answering a submitted request for every API: SSE framing, the whole response or the stream through the API's
+encoder, cancellation when the client goes away, and the metrics. What runs is LLM.submit's (quantserve.submission)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,18 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from quantserve.chat import ChatPrompt, Event, Reply, ReplyAssembler, TextDelta
-from quantserve.core.sampling_params import SamplingParams
-from quantserve.core.sequence import SequenceOutput, TokenLogprob
+from quantserve.chat import Event
+from quantserve.core.sequence import SequenceOutput
 from quantserve.errors import QuantserveError
-from quantserve.llm import LLM, RequestStream
+from quantserve.llm import LLM
 from quantserve.server.state import ServerState
+from quantserve.submission import Choice, Submission
 
 log = logging.getLogger("quantserve.server")
 
@@ -54,81 +54,6 @@ def event_stream(
     return StreamingResponse(guarded(), media_type=media_type, headers={"Cache-Control": "no-cache"})
 
 
-@dataclass
-class Choice:
-    """Accumulates one choice's outputs."""
-
-    index: int
-    prompt_index: int
-    text: str = ""
-    finish_reason: str | None = None
-    stop: str | None = None  # the stop string that ended it
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_reasoning_tokens: int = 0
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    assembler: ReplyAssembler | None = None  # chats with tools: text -> content and tool calls
-    reply: Reply | None = None  # chats: what the reply is, once finished
-
-    def take(self, out: SequenceOutput) -> list[Event]:
-        """Record one output; for a chat, return the reply events it makes."""
-        self.text += out.text
-        self.num_output_tokens = out.num_output_tokens
-        self.num_reasoning_tokens = out.num_reasoning_tokens
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        if self.assembler is not None:
-            events = self.assembler.feed(out.text)
-        else:
-            events = [TextDelta(out.text)] if out.text else []
-        if out.finish_reason:
-            self.finish_reason, self.stop = out.finish_reason, out.stop
-            if self.assembler is not None:
-                more, self.reply = self.assembler.finish(out.finish_reason)
-                events += more
-            else:
-                self.reply = Reply(self.text, (), out.finish_reason)
-        return events
-
-
-async def merge(gens: list[RequestStream]) -> AsyncIterator[tuple[int, SequenceOutput]]:
-    """Interleave several choices' outputs as they arrive. However this ends (done, error, the client gone), every
-    choice still running is aborted."""
-    try:
-        if len(gens) == 1:
-            async for out in gens[0]:
-                yield 0, out
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, gen: RequestStream) -> None:
-            try:
-                async for out in gen:
-                    await q.put((i, out))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
-                await q.put((i, exc))
-            finally:
-                await q.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                i, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-    finally:
-        for g in gens:
-            g.close()
-
-
 class Encoder(Protocol):
     """One API's shape of a text request: its stream as chunks (opened, each output's reply events, closed), its
     whole response, and its error event."""
@@ -158,40 +83,22 @@ class Encoder(Protocol):
 
 @dataclass
 class Run:
-    """One text request on the engine: the model, the choices running, the prompts they continue."""
+    """One text request on the engine, as a route answers it: the model, its submission, the clock."""
 
     state: ServerState
     request: Request
     llm: LLM
-    gens: list[RequestStream]
-    choices: list[Choice]
-    prompts: list[list[int]]
+    submission: Submission
     t0: float  # when the request began (time to first token, latency)
     on_first: Callable[[], None] | None = None  # also called at the first output (Ollama's timings)
 
-    @classmethod
-    def start(
-        cls,
-        state: ServerState,
-        request: Request,
-        llm: LLM,
-        t0: float,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        n: int,
-        rid: str,
-        images=None,
-        chat: ChatPrompt | None = None,
-    ) -> Run:
-        """Submit n choices per prompt; a chat's choices each get the prompt's reply parser (and a thinking
-        model's, the engine's watch over its reasoning)."""
-        if chat is not None and chat.reasoning is not None:
-            params = replace(params, thinking=llm.thinking_spec(chat), skip_special_tokens=False)
-        gens, choices = start(llm, prompts, params, n, rid, images)
-        if chat is not None:
-            for c in choices:
-                c.assembler = chat.assembler()
-        return cls(state, request, llm, gens, choices, prompts, t0)
+    @property
+    def choices(self) -> list[Choice]:
+        return self.submission.choices
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.submission.prompts
 
     async def respond(self, encoder: Encoder, stream: bool):
         """Every text route's end: stream the choices through `encoder` as SSE, or run them to their end and
@@ -199,7 +106,7 @@ class Run:
         choices finish."""
         if stream:
             return event_stream(self._chunks(encoder), encoder.error, encoder.media_type)
-        if not await until_disconnect(self.request, collect(self.gens, self.choices, self._first)):
+        if not await until_disconnect(self.request, self._collect()):
             return JSONResponse({}, status_code=499)
         self._record()
         return encoder.response()
@@ -208,16 +115,22 @@ class Run:
         for chunk in encoder.opening():
             yield chunk
         first = True
-        async for i, out in merge(self.gens):
+        async for choice, out, events in self.submission.outputs():
             if first:
                 self._first()
                 first = False
-            choice = self.choices[i]
-            for chunk in encoder.take(choice, out, choice.take(out)):
+            for chunk in encoder.take(choice, out, events):
                 yield chunk
         self._record()
         for chunk in encoder.closing():
             yield chunk
+
+    async def _collect(self) -> None:
+        first = True
+        async for _ in self.submission.outputs():
+            if first:
+                self._first()
+                first = False
 
     def _first(self) -> None:
         self.state.observe_ttft(self.llm, self.t0)
@@ -226,35 +139,6 @@ class Run:
 
     def _record(self) -> None:
         self.state.record(self.llm, self.choices, self.prompts, self.t0)
-
-
-def start(llm: LLM, prompts: list[list[int]], base: SamplingParams, n: int, rid: str, images=None):
-    """Submit n choices per prompt. Seeds differ per choice (seed + i) so choices are not identical. `images`:
-    the ImageSpans of a single prompt (a chat's)."""
-    gens, choices = [], []
-    try:
-        for p_idx, tokens in enumerate(prompts):
-            for j in range(n):
-                params = base
-                if n > 1 and base.seed is not None:
-                    params = SamplingParams(**{**base.__dict__, "seed": base.seed + j})
-                gens.append(llm.generate(tokens, params, f"{rid}-{p_idx}-{j}", images))
-                choices.append(Choice(index=len(choices), prompt_index=p_idx, num_prompt_tokens=len(tokens)))
-    except BaseException:
-        for g in gens:
-            g.close()  # a later choice was refused (queue full): abort the ones already queued
-        raise
-    return gens, choices
-
-
-async def collect(gens: list[RequestStream], choices: list[Choice], on_first: Callable[[], None]) -> None:
-    """Run every choice to its end (non-streaming responses)."""
-    first = True
-    async for i, out in merge(gens):
-        if first:
-            on_first()
-            first = False
-        choices[i].take(out)
 
 
 async def until_disconnect(request: Request, coro) -> bool:

@@ -4,12 +4,16 @@ ends its thinking: the engine writes the end marker, and the model answers after
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import anthropic
 import httpx
 import openai
 import pytest
 
-from tests.conftest import ROOT, start_server
+import quantserve
+from tests.conftest import ROOT, THREADS, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +24,17 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module", params=["llamacpp", "torch"])
-def base_url(request, smollm2_hf, tmp_path_factory):
+def backend(request) -> str:
     if not R1.is_file():
         pytest.skip(f"{R1} not present (make test extracts llama.cpp's templates)")
-    tmp = tmp_path_factory.mktemp(f"reasoning-{request.param}")
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def base_url(backend, smollm2_hf, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"reasoning-{backend}")
     args = ["--chat-template", str(R1), "--reasoning-budget", "8", "--max-num-seqs", "2"]
-    if request.param == "llamacpp":
+    if backend == "llamacpp":
         srv = start_server(tmp, "smollm2", *args)
     else:
         toml = tmp / "models.toml"
@@ -91,7 +100,7 @@ def test_a_request_budget_and_thinking_off(oai):
 
 def test_bad_reasoning_fields_are_400s_naming_them(base_url):
     model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
-    for field, value in (("reasoning_budget", 0), ("reasoning_budget", "8"), ("reasoning_effort", "max")):
+    for field, value in (("reasoning_budget", -1), ("reasoning_budget", "8"), ("reasoning_effort", "max")):
         r = httpx.post(
             base_url + "/v1/chat/completions", json={"model": model, "messages": ASK, field: value}
         )
@@ -180,3 +189,89 @@ def test_a_user_grammar_applies_after_the_reasoning(oai):
     message = r.choices[0].message.model_dump()
     assert message["reasoning_content"]
     assert message["content"] in ("Paris", "Lyon", "Nice")
+
+
+def test_a_budget_of_zero_closes_the_block_at_once(oai):
+    r = oai.chat.completions.create(
+        model=_model(oai), messages=ASK, max_tokens=16, temperature=0, extra_body={"reasoning_budget": 0}
+    )
+    assert r.usage.completion_tokens_details is None or not r.usage.completion_tokens_details.reasoning_tokens
+    assert not r.choices[0].message.model_dump().get("reasoning_content") and r.choices[0].message.content
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def library(backend, smollm2_hf):
+    """The same model in this process, through the library, under the server's settings."""
+    if backend == "llamacpp":  # as base_url serves it: models.toml's "smollm2", with its sampling defaults
+        llm = quantserve.load(
+            "smollm2",
+            models_file=str(ROOT / "models.toml"),
+            chat_template=str(R1),
+            reasoning_budget=8,
+            threads=THREADS,
+        )
+    else:
+        llm = quantserve.load(
+            str(smollm2_hf),
+            backend="torch",
+            chat_template=str(R1),
+            reasoning_budget=8,
+            ctx_size=1024,
+            threads=THREADS,
+        )
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [
+        {
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "max_tokens": 128,
+        },  # the tool-call grammar after thinking
+        {"reasoning_budget": 3, "max_tokens": 24},
+    ],
+    ids=["tool-call", "request-budget"],
+)
+def test_the_library_replies_as_the_server_does(oai, library, ask):
+    """LLM.reply and /v1/chat/completions run one pipeline: the same request gives the same reasoning, answer and
+    tool calls (greedy), with the server's budget or the request's, and the tool-call grammar."""
+    served = oai.chat.completions.create(
+        model=_model(oai),
+        messages=ASK,
+        temperature=0,
+        **{k: v for k, v in ask.items() if k != "reasoning_budget"},
+        extra_body={k: v for k, v in ask.items() if k == "reasoning_budget"},
+    )
+    message = served.choices[0].message.model_dump()
+    reply = asyncio.run(library.reply(ASK, temperature=0, **ask))
+    assert reply.reasoning == message["reasoning_content"] and reply.reasoning
+    assert (reply.content or None) == (message["content"] or None)
+    calls = [(c.name, json.loads(c.arguments)) for c in reply.tool_calls]
+    assert calls == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"] or []
+    ]
+    assert bool(calls) == ("tools" in ask)
+    assert reply.finish_reason == served.choices[0].finish_reason
+    streamed = asyncio.run(_answer(library.chat(ASK, temperature=0, **ask)))
+    assert streamed == (reply.content or "")  # chat streams the answer alone
+
+
+async def _answer(pieces) -> str:
+    return "".join([p async for p in pieces])

@@ -23,8 +23,9 @@ from quantserve.server.anthropic.protocol import (
     system_text,
 )
 from quantserve.server.errors import anthropic_error_body
-from quantserve.server.generation import Choice, Run, sse
+from quantserve.server.generation import Run, sse
 from quantserve.server.state import ServerState
+from quantserve.submission import Choice, TextRequest
 
 router = APIRouter()
 
@@ -211,18 +212,18 @@ async def messages(body: MessagesRequest, request: Request):
     state: ServerState = request.app.state.qs
     llm = await state.acquire(request, body.model)
     t0 = time.perf_counter()
-    prompt, tokens, images = llm.prepare_chat(*await _chat_request(body, llm, state))
-    params = llm.sampling_params(
-        max_tokens=llm.check_context(len(tokens), body.max_tokens),
+    chat, images = await _chat_request(body, llm, state)
+    mid = f"msg_{uuid.uuid4().hex}"
+    sampling = dict(
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         stop=tuple(body.stop_sequences or ()),
-        grammar=prompt.grammar,
-        skip_special_tokens=prompt.skip_special_tokens,
     )
-    mid = f"msg_{uuid.uuid4().hex}"
-    run = Run.start(state, request, llm, t0, [tokens], params, 1, mid, images, chat=prompt)
+    submission = llm.submit(
+        TextRequest(chat=chat, images=images, max_tokens=body.max_tokens, sampling=sampling, request_id=mid)
+    )
+    run = Run(state, request, llm, submission, t0)
     return await run.respond(_MessageEncoder(run, mid), body.stream)
 
 

@@ -25,7 +25,7 @@ from quantserve.chat import ChatRequest, ReasoningDelta, TextDelta
 from quantserve.chat.reasoning_request import ReasoningRequest
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
-from quantserve.server.generation import Choice, Run
+from quantserve.server.generation import Run
 from quantserve.server.ollama.protocol import (
     NDJSON,
     ChatBody,
@@ -44,6 +44,7 @@ from quantserve.server.ollama.protocol import (
 from quantserve.server.served import Served
 from quantserve.server.state import ServerState
 from quantserve.structured.grammars import json_schema_grammar
+from quantserve.submission import Choice, Submission, TextRequest
 
 log = logging.getLogger("quantserve.server")
 router = APIRouter()
@@ -103,13 +104,11 @@ def _unload_after(state: ServerState, served: Served, keep_alive: KeepAlive) -> 
     return state.router.unload_on_request(served, "keep_alive=0")
 
 
-def _params(llm: LLM, options: Options | None, n_prompt: int, grammar, skip_special: bool):
+def _submit(llm: LLM, options: Options | None, **request) -> Submission:
+    """`request` (TextRequest's fields) with the request's `options` as its sampling."""
     options = options or Options()
-    return llm.sampling_params(
-        max_tokens=llm.check_context(n_prompt, options.max_tokens),
-        grammar=grammar,
-        skip_special_tokens=skip_special,
-        **options.sampling(),
+    return llm.submit(
+        TextRequest(max_tokens=options.max_tokens, sampling=options.sampling(), request_id=_rid(), **request)
     )
 
 
@@ -229,10 +228,8 @@ async def chat(body: ChatBody, request: Request):
         return _load_only(request, body, served, "chat")
     reader = state.reader(llm)
     req = replace(chat_request(body, reader), reasoning=_reasoning(llm, body.think))
-    prompt, tokens, images = llm.prepare_chat(req, await reader.load(state.media))
-    params = _params(llm, body.options, len(tokens), prompt.grammar, prompt.skip_special_tokens)
-    run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), images, chat=prompt)
-    run.on_first = clock.mark_first
+    submission = _submit(llm, body.options, chat=req, images=await reader.load(state.media))
+    run = Run(state, request, llm, submission, clock.start, on_first=clock.mark_first)
     return await run.respond(_ChatEncoder(run, body, served, clock), body.stream)
 
 
@@ -253,15 +250,15 @@ async def generate(body: GenerateBody, request: Request):
             "'template' (a Go template) is not supported; send raw: true with the prompt already formatted",
             param="template",
         )
-    images: list = []
-    spans: list = []
-    grammar, skip_special = None, True
+    context = list(body.context or ())
     if body.raw or llm.chat_template is None:
         if body.images:
             raise InvalidRequestError(
                 "'images' need the model's chat template (raw is false)", param="images"
             )
-        tokens = llm.tokenize_prompt(body.prompt or "", chat=False)
+        schema = response_schema(body.format) if body.raw and body.format else None
+        grammar = json_schema_grammar(schema, param="format") if schema is not None else None
+        submission = _submit(llm, body.options, prompts=[body.prompt or ""], context=context, grammar=grammar)
     else:
         reader = state.reader(llm)
         parts = [image_part(b, f"images[{j}]", reader) for j, b in enumerate(body.images or [])]
@@ -270,17 +267,10 @@ async def generate(body: GenerateBody, request: Request):
             {"role": "user", "content": content}
         ]
         req = ChatRequest(messages, response_schema=response_schema(body.format))
-        prompt, tokens, spans = llm.prepare_chat(req, await reader.load(state.media))
-        grammar, skip_special = prompt.grammar, prompt.skip_special_tokens
-    if body.context:
-        llm.check_tokens(body.context, "context")
-        tokens = list(body.context) + tokens
-    if body.raw and body.format:
-        schema = response_schema(body.format)
-        grammar = json_schema_grammar(schema, param="format") if schema is not None else None
-    params = _params(llm, body.options, len(tokens), grammar, skip_special)
-    run = Run.start(state, request, llm, clock.start, [tokens], params, 1, _rid(), spans or images or None)
-    run.on_first = clock.mark_first
+        submission = _submit(
+            llm, body.options, chat=req, images=await reader.load(state.media), context=context
+        )
+    run = Run(state, request, llm, submission, clock.start, on_first=clock.mark_first)
     return await run.respond(_GenerateEncoder(run, body, served, clock), body.stream)
 
 

@@ -13,25 +13,23 @@ from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.content import ContentReader
 from quantserve.server.errors import error_body
-from quantserve.server.generation import Choice, Run, sse, usage
+from quantserve.server.generation import Run, sse, usage
 from quantserve.server.openai.protocol import ChatCompletionRequest, CompletionRequest, response_schema
 from quantserve.server.state import ServerState
-from quantserve.structured import Grammar
+from quantserve.submission import Choice, TextRequest
 
 router = APIRouter()
 
 
-def _params(
-    llm: LLM, req, *, max_tokens: int, grammar: Grammar | None, logprobs: bool, top_logprobs: int, **more
-):
+def _sampling(req, *, logprobs: bool, top_logprobs: int) -> dict:
+    """The request's sampling fields (None: unset) as SamplingParams names them."""
     bias = None
     if req.logit_bias:
         try:
             bias = tuple((int(k), float(v)) for k, v in req.logit_bias.items())
         except ValueError as exc:
             raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from exc
-    return llm.sampling_params(
-        max_tokens=max_tokens,
+    return dict(
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
@@ -43,10 +41,8 @@ def _params(
         stop=tuple(req.stop or ()),
         logprobs=logprobs or None,
         top_logprobs=top_logprobs or None,
-        grammar=grammar,
         logit_bias=bias,
         ignore_eos=req.ignore_eos or None,
-        **more,
     )
 
 
@@ -200,37 +196,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     llm = await state.acquire(request, body.model)
     t0 = time.perf_counter()
     reader = state.reader(llm)
-    req = chat_request(body, reader, llm)
-    prompt, tokens, images = llm.prepare_chat(req, await reader.load(state.media))
-    max_tokens = llm.check_context(len(tokens), body.max_completion_tokens or body.max_tokens)
-    params = _params(
-        llm,
-        body,
-        max_tokens=max_tokens,
-        grammar=prompt.grammar,
-        logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
-        skip_special_tokens=prompt.skip_special_tokens,
-    )
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    run = Run.start(state, request, llm, t0, [tokens], params, body.n, rid, images, chat=prompt)
+    submission = llm.submit(
+        TextRequest(
+            chat=chat_request(body, reader, llm),
+            images=await reader.load(state.media),
+            max_tokens=body.max_completion_tokens or body.max_tokens,
+            sampling=_sampling(body, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0),
+            n=body.n,
+            request_id=rid,
+        )
+    )
+    run = Run(state, request, llm, submission, t0)
     return await run.respond(_ChatEncoder(run, body, rid), body.stream)
 
 
 # ---- completions -------------------------------------------------------------------------------
 
 
-def _prompts(llm: LLM, prompt) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [llm.tokenize_prompt(prompt, chat=False)]
-    if not prompt:
-        raise InvalidRequestError("'prompt' is empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        prompt = [prompt]
-    out = [llm.tokenize_prompt(p, chat=False) if isinstance(p, str) else list(p) for p in prompt]
-    for toks in out:
-        llm.check_tokens(toks, "prompt")
-    return out
+def _prompts(prompt) -> list:
+    """`prompt` in each of its shapes (text, token ids, or a list of either) as a list of prompts."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(p, int) for p in prompt)):
+        return [prompt]
+    return list(prompt)
 
 
 def _completion_logprobs(llm: LLM, lps, offset: int) -> dict:
@@ -305,17 +293,16 @@ async def completions(body: CompletionRequest, request: Request):
     if body.best_of not in (None, body.n):
         raise InvalidRequestError("'best_of' is not supported (only best_of == n)", param="best_of")
     t0 = time.perf_counter()
-    prompts = _prompts(llm, body.prompt)
-    max_tokens = min(llm.check_context(len(p), body.max_tokens) for p in prompts)
-    want_lp = body.logprobs is not None
-    params = _params(
-        llm,
-        body,
-        max_tokens=max_tokens,
-        grammar=body.user_grammar(),
-        logprobs=want_lp,
-        top_logprobs=body.logprobs or 0,
-    )
     rid = f"cmpl-{uuid.uuid4().hex}"
-    run = Run.start(state, request, llm, t0, prompts, params, body.n, rid)
+    submission = llm.submit(
+        TextRequest(
+            prompts=_prompts(body.prompt),
+            max_tokens=body.max_tokens,
+            grammar=body.user_grammar(),
+            sampling=_sampling(body, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0),
+            n=body.n,
+            request_id=rid,
+        )
+    )
+    run = Run(state, request, llm, submission, t0)
     return await run.respond(_CompletionEncoder(run, body, rid), body.stream)

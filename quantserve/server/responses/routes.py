@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from quantserve.chat import ChatRequest, Event, ReasoningDelta, TextDelta
 from quantserve.core.multimodal import Image
 from quantserve.server.errors import error_body
-from quantserve.server.generation import Choice, Run, sse
+from quantserve.server.generation import Run, sse
 from quantserve.server.responses.protocol import (
     ResponsesRequest,
     call_item,
@@ -29,6 +29,7 @@ from quantserve.server.responses.protocol import (
 )
 from quantserve.server.responses.store import ResponseStore, StoredResponse
 from quantserve.server.state import ServerState
+from quantserve.submission import Choice, TextRequest
 
 router = APIRouter()
 
@@ -206,16 +207,14 @@ async def create_response(body: ResponsesRequest, request: Request):
         reasoning=llm.reasoning_request(effort=effort, effort_param="reasoning.effort"),
     )
     images = [*history_images, *await reader.load(state.media)]
-    prompt, tokens, spans = llm.prepare_chat(req, images)
-    params = llm.sampling_params(
-        max_tokens=llm.check_context(len(tokens), body.max_output_tokens),
-        temperature=body.temperature,
-        top_p=body.top_p,
-        grammar=prompt.grammar,
-        skip_special_tokens=prompt.skip_special_tokens,
-    )
     rid = f"resp_{uuid.uuid4().hex}"
-    run = Run.start(state, request, llm, t0, [tokens], params, 1, rid, spans, chat=prompt)
+    sampling = dict(temperature=body.temperature, top_p=body.top_p)
+    submission = llm.submit(
+        TextRequest(
+            chat=req, images=images, max_tokens=body.max_output_tokens, sampling=sampling, request_id=rid
+        )
+    )
+    run = Run(state, request, llm, submission, t0)
     base = {
         "id": rid,
         "object": "response",
