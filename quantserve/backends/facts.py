@@ -34,23 +34,18 @@ def chat_template(spec: ModelSpec, settings: EngineSettings) -> TemplateSource |
     return TemplateSource(found[0], str(found[1])) if found else None
 
 
-def tool_format_name(template: TemplateSource | None) -> str | None:
-    """The template's tool-call format, as quantserve.chat reads it from probe renders.
+def template_formats(template: TemplateSource | None) -> tuple[str | None, str | None]:
+    """The template's tool-call format and how it marks reasoning, in words (None: no template, or no reasoning),
+    as quantserve.chat reads them from one set of probe renders.
 
     Raises:
         ConfigError: the template does not parse.
     """
     if template is None:
-        return None
-    return tool_format(ChatTemplate(template.text, origin=template.origin)).name
-
-
-def reasoning_name(template: TemplateSource | None) -> str | None:
-    """How the template marks reasoning, in words (quantserve.chat.reasoning); None: it has none."""
-    if template is None:
-        return None
-    fmt = ChatTemplate(template.text, origin=template.origin).reasoning
-    return fmt.describe() if fmt is not None else None
+        return None, None
+    probed = ChatTemplate(template.text, origin=template.origin)
+    reasoning = probed.reasoning
+    return tool_format(probed).name, reasoning.describe() if reasoning is not None else None
 
 
 def capabilities(
@@ -128,7 +123,7 @@ def make_plan(
     tool-call format, the weights' bytes after `quant`, and the capabilities, every backend embedding. `choice`:
     the backend and why; `architecture`: the spec's unless given (a GGUF's general.architecture)."""
     template = None if rank_outputs else chat_template(spec, settings)
-    reasoning = reasoning_name(template)
+    tool_format_name, reasoning = template_formats(template)
     return ModelPlan(
         spec=spec,
         settings=settings,
@@ -139,7 +134,7 @@ def make_plan(
         kv=kv,
         weight_bytes=weight_bytes(spec, quant),
         template=template,
-        tool_format=tool_format_name(template),
+        tool_format=tool_format_name,
         reasoning=reasoning,
         capabilities=capabilities(
             template=template,

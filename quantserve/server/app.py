@@ -19,7 +19,7 @@ from quantserve import __version__
 from quantserve.errors import InvalidRequestError
 from quantserve.llm import LLM
 from quantserve.server.anthropic import routes as anthropic_routes
-from quantserve.server.catalog import build_router, model_card, served_card
+from quantserve.server.catalog import Prepared, build_router, model_card, served_card
 from quantserve.server.errors import error_response, install_error_handlers
 from quantserve.server.metrics import Metrics
 from quantserve.server.middleware import (
@@ -67,17 +67,22 @@ class ModelAction(BaseModel):
 
 
 def create_app(
-    settings: ServerSettings, *, llm: LLM | None = None, on_load_error: Callable[[], None] | None = None
+    settings: ServerSettings,
+    *,
+    llm: LLM | None = None,
+    prepared: Prepared | None = None,
+    on_load_error: Callable[[], None] | None = None,
 ) -> FastAPI:
     """Build the app. With `llm`, it serves that model. Else, single-model (settings.model): the model loads in
     the background at startup and the API answers 503 until it is ready (GET /ready says when); router mode
     (no model, or --models): models.toml's entries, each loaded on its first request (quantserve.server.router).
+    `prepared`: what `serve` already resolved and planned before listening, used as it is.
 
     Raises:
         ConfigError: router mode with --models naming no entry, or nothing to serve.
     """
     metrics = Metrics()
-    router = build_router(settings, metrics, llm=llm, on_load_error=on_load_error)
+    router = build_router(settings, metrics, llm=llm, prepared=prepared, on_load_error=on_load_error)
     state = ServerState(router, metrics, media=settings.media_policy())
 
     @asynccontextmanager

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from quantserve.core.settings import EngineSettings
 from quantserve.errors import ConfigError, QuantserveError
 from quantserve.llm import LLM
 from quantserve.registry import (
+    Registry,
     ResolvedModel,
     find_models_toml,
     is_hub_id,
@@ -66,10 +67,38 @@ def _router_served(name: str, registry, base: EngineSettings, keep_alive: float 
     return served
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What `quantserve run` reads before it listens, kept for the app so that nothing is read twice: models.toml
+    (router mode), or the one model resolved and planned (single-model mode; its first load carries this plan out)."""
+
+    registry: Registry | None = None
+    model: ServedInfo | None = None
+
+
+def prepare(settings: ServerSettings) -> Prepared:
+    """Read models.toml (router mode), or resolve and plan the one model: its files validated before any C code
+    sees them, its settings checked.
+
+    Raises:
+        QuantserveError: the model cannot be found, its files are malformed, or a setting is refused.
+    """
+    if settings.router_mode:
+        return Prepared(registry=load_registry(find_models_toml(settings.models_file)))
+    resolved, engine = settings.resolve_model()
+    return Prepared(model=ServedInfo(resolved, LLM.plan_for(resolved, engine), _names(resolved)))
+
+
 def build_router(
-    settings: ServerSettings, metrics: Metrics, *, llm: LLM | None = None, on_load_error=None
+    settings: ServerSettings,
+    metrics: Metrics,
+    *,
+    llm: LLM | None = None,
+    prepared: Prepared | None = None,
+    on_load_error=None,
 ) -> ModelRouter:
-    """The router for these settings: one model (MODEL, or `llm` already loaded) or models.toml's entries.
+    """The router for these settings: one model (MODEL, or `llm` already loaded) or models.toml's entries;
+    `prepared`, where given, is what prepare() read.
 
     Raises:
         ConfigError: --models names an entry models.toml does not have, or there is nothing to serve.
@@ -81,6 +110,11 @@ def build_router(
         return ModelRouter([served], metrics, single=True)
     base = settings.engine_settings()
     if not settings.router_mode:
+        if prepared is not None and prepared.model is not None:
+            info = prepared.model
+            served = Served(info.resolved.name, None, base, pinned=True)
+            served.resolve(info)  # the load carries out this plan: the model is planned once
+            return ModelRouter([served], metrics, single=True, on_load_error=on_load_error)
         try:
             resolved, _ = settings.resolve_model()
         except QuantserveError as exc:  # `quantserve run` checks this before listening; an app made in code
@@ -89,7 +123,10 @@ def build_router(
             served = Served(resolved.name, resolved, base, pinned=True, names=_names(resolved))
         return ModelRouter([served], metrics, single=True, on_load_error=on_load_error)
 
-    registry = load_registry(find_models_toml(settings.models_file))
+    if prepared is not None and prepared.registry is not None:
+        registry = prepared.registry
+    else:
+        registry = load_registry(find_models_toml(settings.models_file))
     where = registry.path or "models.toml"
     if not registry.entries:
         raise ConfigError(

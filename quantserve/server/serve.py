@@ -27,9 +27,8 @@ def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
     """
     from quantserve.core.rpc import check_workers, parse_endpoints
     from quantserve.errors import ConfigError
-    from quantserve.llm import LLM
-    from quantserve.registry import find_models_toml, load_registry
     from quantserve.server.app import create_app
+    from quantserve.server.catalog import prepare
     from quantserve.server.supervisor import create_proxy
 
     rpc = None
@@ -38,7 +37,9 @@ def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
             raise ConfigError(
                 f"give a MODEL ({settings.model}) or --models ({settings.models}), not both", param="models"
             )
-        registry = load_registry(find_models_toml(settings.models_file))
+        prepared = prepare(settings)  # models.toml, read once
+        registry = prepared.registry
+        assert registry is not None
         with_rpc = [name for name, e in registry.entries.items() if e.rpc] + (
             ["--rpc"] if settings.rpc else []
         )
@@ -71,10 +72,12 @@ def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
                 f"Drop them, or serve models.toml's entries: quantserve run --models {settings.model}",
                 param="models",
             )
-        resolved, _ = settings.resolve_model()
+        # the plan validates the files (before llama.cpp ever opens them) and the settings, before listening;
+        # the first load carries it out
+        prepared = prepare(settings)
+        assert prepared.model is not None
+        resolved, plan = prepared.model.resolved, prepared.model.plan
         rpc = settings.rpc or resolved.entry.rpc
-        # the plan validates the files (before llama.cpp ever opens them) and the settings, before listening
-        plan = LLM.plan_for(resolved, settings.engine_settings())
         if rpc and plan.backend != "llamacpp":
             raise ConfigError(
                 f"--rpc puts llama.cpp's layers on other machines, and {resolved.name} runs on the {plan.backend} "
@@ -105,7 +108,9 @@ def serve(settings: ServerSettings, *, uds: str | None = None) -> int:
         log.info("RPC workers %s answer; the model runs in a child process", ", ".join(map(str, workers)))
         app = create_proxy(settings, workers, on_load_error)
     else:
-        app = create_app(settings, on_load_error=None if settings.router_mode else on_load_error)
+        app = create_app(
+            settings, prepared=prepared, on_load_error=None if settings.router_mode else on_load_error
+        )
     where = {"uds": uds} if uds else {"host": settings.host, "port": settings.port}
     config = uvicorn.Config(
         app,

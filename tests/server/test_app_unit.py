@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 from fastapi.testclient import TestClient
@@ -92,3 +93,54 @@ def test_the_openapi_schema_declares_every_path_parameter():
         for method, op in operations.items():
             declared = {p["name"] for p in op.get("parameters", []) if p["in"] == "path"}
             assert set(re.findall(r"{(\w+)}", path)) <= declared, (method, path)
+
+
+def _count(monkeypatch, counts: Counter, name: str, *owners) -> None:
+    """Count the calls of function `name` wherever `owners` (modules, classes) hold it."""
+    real = getattr(owners[0], name)
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return real(*args, **kwargs)
+
+    for owner in owners:
+        monkeypatch.setattr(owner, name, counted)
+
+
+def test_a_single_model_run_plans_once_and_probes_the_template_at_plan_and_load_only(monkeypatch):
+    """`quantserve run MODEL` plans before it listens (prepare), and the first load carries out that plan."""
+    from quantserve.backends import select
+    from quantserve.chat.template import TemplateProbe
+    from quantserve.server import catalog
+
+    counts: Counter = Counter()
+    _count(monkeypatch, counts, "plan_model", select)
+    _count(monkeypatch, counts, "of", TemplateProbe)
+    settings = ServerSettings(model="smollm2", threads=THREADS)
+    app = create_app(settings, prepared=catalog.prepare(settings))
+    with TestClient(app) as client:
+        for _ in range(600):
+            if client.get("/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert (
+            client.post("/v1/chat/completions", json={"messages": PARIS, "max_tokens": 2}).status_code == 200
+        )
+    # one plan; the template probed once for the plan and once as loaded, with the model's own BOS and EOS
+    assert counts == {"plan_model": 1, "of": 2}
+
+
+def test_router_mode_reads_models_toml_once(monkeypatch, smollm2_gguf, tmp_path):
+    from quantserve import registry
+    from quantserve.server import catalog
+    from quantserve.server import settings as server_settings
+
+    toml = tmp_path / "models.toml"
+    toml.write_text(f'[models.a]\nsource = "{smollm2_gguf}"\n[models.b]\nsource = "{smollm2_gguf}"\n')
+    counts: Counter = Counter()
+    _count(monkeypatch, counts, "load_registry", registry, catalog, server_settings)
+    settings = ServerSettings(models_file=str(toml), threads=THREADS)
+    app = create_app(settings, prepared=catalog.prepare(settings))
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
+    assert counts == {"load_registry": 1}
