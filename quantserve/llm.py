@@ -61,14 +61,13 @@ class LLM:
         self.settings = settings = plan.settings
         self.chat_template = chat_template
         self.info = info  # architecture, parameters, format, backend: as loaded
+        self._keep_alive: Any = None  # a temporary conversion, which lives as long as the model (LLM.load sets it)
         self.n_ctx = runner.n_ctx
         self.n_vocab = runner.n_vocab
         self.vision: VisionSpec | None = runner.vision  # None: text only
         # > 0: a reranker's classification head (llama.cpp's rank pooling), which scores and never generates
         self.rank_outputs: int = plan.rank_outputs
-        self.rank_labels: tuple[str, ...] = getattr(
-            runner, "rank_labels", ()
-        )  # the head's, where it names them
+        self.rank_labels: tuple[str, ...] = runner.rank_labels  # the head's, where it names them
         config = SchedulerConfig(
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.n_batch,
@@ -207,11 +206,7 @@ class LLM:
     @property
     def gpu_share(self) -> float:
         """The share of the model's layers on a GPU (0 on the CPU): llama.cpp's offload, or torch's device."""
-        offload = getattr(self._runner, "offload", None)
-        if offload is not None:
-            return 0.0 if offload.device is None else min(1.0, offload.n_gpu_layers / max(1, offload.n_layer))
-        device = getattr(self._runner, "device", None)
-        return 0.0 if device is None or device.type == "cpu" else 1.0
+        return self._runner.gpu_share
 
     def prepare_chat(
         self, request: ChatRequest, images: Seq[Image] = ()
@@ -477,15 +472,14 @@ class LLM:
     def stats(self) -> EngineStats:
         """The engine's queue and KV occupancy now, for /metrics."""
         e = self._engine
-        ranks = getattr(self._runner, "rank_step_seconds", list)()
+        ranks = self._runner.rank_step_seconds()
         return EngineStats(
             e.num_waiting, e.num_running, e.kv_cells_used, e.kv_cells_cached, e.steps, tuple(ranks)
         )
 
-    def fault(
-        self,
-    ) -> str | None:  # why the model cannot run any more (a tensor-parallel rank is gone), or None
-        return getattr(self._runner, "fault", lambda: None)()
+    def fault(self) -> str | None:
+        """Why the model cannot run any more (a tensor-parallel rank is gone), or None."""
+        return self._runner.fault()
 
     async def embed(self, tokens: list[int]) -> list[float]:
         if not self.can_embed:
@@ -522,7 +516,7 @@ class LLM:
         self._guides_thread.join()  # it reads the runner's vocabulary
         self._engine.stop()
         self._runner.close()
-        if getattr(self, "_keep_alive", None) is not None:
+        if self._keep_alive is not None:
             self._keep_alive.cleanup()
 
 

@@ -146,6 +146,40 @@ class ModelRunner(Tokenizer, Protocol):
 
     def close(self) -> None: ...
 
+    # ---- optional features: RunnerBase gives every runner their defaults ----
+
+    rank_labels: tuple[str, ...]  # a reranker's head names its outputs ("yes", "no"); () otherwise
+
+    @property
+    def gpu_share(self) -> float:
+        """The share of the model's layers on a GPU: 0 on the CPU, 1 all on one."""
+        ...
+
+    def fault(self) -> str | None:
+        """Why the model cannot run any more (a tensor-parallel rank is gone), or None."""
+        ...
+
+    def rank_step_seconds(self) -> list[tuple[float, float]]:
+        """(last step, all steps) in seconds per tensor-parallel rank; [] for a model in one process."""
+        ...
+
+
+class RunnerBase:
+    """The defaults of ModelRunner's optional features, for a runner to inherit: no reranker labels, all on the
+    CPU, never faulted, one process."""
+
+    rank_labels: tuple[str, ...] = ()
+
+    @property
+    def gpu_share(self) -> float:
+        return 0.0
+
+    def fault(self) -> str | None:
+        return None
+
+    def rank_step_seconds(self) -> list[tuple[float, float]]:
+        return []
+
 
 @dataclass(frozen=True)
 class ModelInfo:

@@ -22,7 +22,7 @@ from quantserve.backends.llamacpp.vision import ImageDecoder, MtmdVision
 from quantserve.core.model_size import gguf_shape, llamacpp_kv
 from quantserve.core.plan import KVPlan
 from quantserve.core.rpc import parse_endpoints
-from quantserve.core.runner import CopyKV, DropKV, KVCacheFull, KVSpec, VisionSpec
+from quantserve.core.runner import CopyKV, DropKV, KVCacheFull, KVSpec, RunnerBase, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
 from quantserve.core.settings import EngineSettings, parse_tensor_split
@@ -38,7 +38,7 @@ SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(RunnerBase):
     """Owns the llama_model, the llama_context (n_seq_max = max_num_seqs, unified KV) and one llama_batch.
 
     Not thread-safe: the engine thread is its only caller (embeddings use a context of their own)."""
@@ -186,6 +186,11 @@ class LlamaCppRunner:
         self._images: ImageDecoder | None = None
         if mmproj is not None:
             self._load_vision(mmproj, self.offload.n_gpu_layers != 0)
+
+    @property
+    def gpu_share(self) -> float:
+        o = self.offload
+        return 0.0 if o.device is None else min(1.0, o.n_gpu_layers / max(1, o.n_layer))
 
     def _load_vision(self, mmproj: Path, use_gpu: bool) -> None:
         marker = self.tokenize(IMAGE_MARKER, add_special=False, parse_special=True)

@@ -18,7 +18,7 @@ from quantserve.backends.torch.sampler import Sampler, check_params
 from quantserve.backends.torch.step import prepare_step
 from quantserve.core.model_size import Shape, torch_kv
 from quantserve.core.plan import KVPlan
-from quantserve.core.runner import DropKV, KVSpec, VisionSpec
+from quantserve.core.runner import DropKV, KVSpec, RunnerBase, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence
 from quantserve.core.settings import EngineSettings
@@ -72,7 +72,7 @@ def fill_gpu_blocks(model: Transformer, settings: EngineSettings, n_ctx: int, dt
     return blocks
 
 
-class TorchRunner:
+class TorchRunner(RunnerBase):
     """Not thread-safe: the engine thread is its only caller. The engine's ledger decides which cache blocks each
     sequence uses (`seq.block_table`); the runner holds the cache's memory and writes and reads where they say."""
 
@@ -307,6 +307,10 @@ class TorchRunner:
             hidden = self.model(torch.tensor([tokens], device=self.device))[0, first : len(tokens) - 1]
             logp = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # fp32
         return logp.cpu().numpy()
+
+    @property
+    def gpu_share(self) -> float:
+        return 0.0 if self.device.type == "cpu" else 1.0
 
     @property
     def scored_by(self) -> str:

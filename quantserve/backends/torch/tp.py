@@ -37,6 +37,7 @@ import torch
 
 from quantserve.backends.torch.tp_shard import TensorParallel
 from quantserve.core.lifeline import exit_with_parent
+from quantserve.core.runner import RunnerBase
 from quantserve.errors import ConfigError, InvalidRequestError, ModelUnavailableError
 
 log = logging.getLogger("quantserve.torch")
@@ -218,7 +219,7 @@ def start_group(spec_path: Path, settings, device: torch.device) -> Group:
     return Group(tp, procs)
 
 
-class TPRunner:
+class TPRunner(RunnerBase):
     """Rank 0's runner: the TorchRunner of its own slice, with every forward announced to the other ranks first.
     Forwards are serialised (the engine's steps and /v1/embeddings' own forwards would otherwise interleave their
     collectives)."""
@@ -233,6 +234,10 @@ class TPRunner:
 
     def __getattr__(self, name: str):  # tokenizer, kv_spec, n_ctx, ...: the inner runner's
         return getattr(self.inner, name)
+
+    @property
+    def gpu_share(self) -> float:
+        return self.inner.gpu_share
 
     def fault(self) -> str | None:
         """Why the model cannot run any more (a rank is gone), or None."""
