@@ -1,4 +1,5 @@
-"""quantserve as a library, no server: load a model and stream two chats that run batched together."""
+"""quantserve as a library, no server: load a model, stream two chats that run batched together, then take a whole
+reply that calls a tool (docs/library.md)."""
 
 import asyncio
 
@@ -21,6 +22,24 @@ async def main() -> None:
         )
         for a in answers:
             print("-", a)
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+        question = [{"role": "user", "content": "What is the weather like in Paris?"}]
+        reply = await llm.reply(
+            question, tools=[weather], tool_choice="required", max_tokens=64, temperature=0
+        )
+        for call in reply.tool_calls:
+            print(f"tool call: {call.name}({call.arguments})")
     finally:
         llm.close()
 

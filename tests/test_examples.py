@@ -24,6 +24,7 @@ def _run(name: str, env: dict | None = None) -> str:
 def test_library_example():
     out = _run("library.py")
     assert "Paris" in out and out.count("- ") == 2
+    assert "tool call: get_weather(" in out
 
 
 def test_client_examples(server):
