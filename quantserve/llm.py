@@ -61,7 +61,7 @@ class LLM:
         self.settings = settings = plan.settings
         self.chat_template = chat_template
         self.info = info  # architecture, parameters, format, backend: as loaded
-        self._keep_alive: Any = None  # a temporary conversion, which lives as long as the model (LLM.load sets it)
+        self._keep_alive: Any = None  # a temporary conversion, kept as long as the model (LLM.load sets it)
         self.n_ctx = runner.n_ctx
         self.n_vocab = runner.n_vocab
         self.vision: VisionSpec | None = runner.vision  # None: text only
@@ -419,12 +419,12 @@ class LLM:
         )
 
     async def chat(
-        self, messages: list[dict[str, Any]], *, max_tokens: int | None = None, n: int = 1, **options: Any
+        self, messages: list[dict[str, Any]], *, max_tokens: int | None = None, **options: Any
     ) -> AsyncIterator[str]:
         """Stream the answer to OpenAI-style messages (its reasoning and tool calls are not in it: `reply` has
         them). `options`: chat_request's keywords (tools, grammar, thinking, reasoning_budget, …) and
         SamplingParams' fields (temperature, seed, stop, …)."""
-        async for _, _, events in self._submit_chat(messages, max_tokens, n, options).outputs():
+        async for _, _, events in self._submit_chat(messages, max_tokens, options).outputs():
             for e in events:
                 if isinstance(e, TextDelta) and e.text:
                     yield e.text
@@ -434,7 +434,7 @@ class LLM:
     ) -> Reply:
         """The whole reply to a chat, as the server's /v1/chat/completions gives it: answer, reasoning, tool
         calls and finish reason. Takes chat's keywords."""
-        (choice,) = await self._submit_chat(messages, max_tokens, 1, options).finish()
+        (choice,) = await self._submit_chat(messages, max_tokens, options).finish()
         assert choice.reply is not None
         return choice.reply
 
@@ -453,12 +453,12 @@ class LLM:
                 yield out.text
 
     def _submit_chat(
-        self, messages: list[dict[str, Any]], max_tokens: int | None, n: int, options: dict[str, Any]
+        self, messages: list[dict[str, Any]], max_tokens: int | None, options: dict[str, Any]
     ) -> Submission:
         chat_keys = set(inspect.signature(self.chat_request).parameters) - {"messages"}
         chat = self.chat_request(messages, **{k: v for k, v in options.items() if k in chat_keys})
         sampling = {k: v for k, v in options.items() if k not in chat_keys}
-        return self.submit(TextRequest(chat=chat, max_tokens=max_tokens, sampling=sampling, n=n))
+        return self.submit(TextRequest(chat=chat, max_tokens=max_tokens, sampling=sampling))
 
     def detokenize(self, tokens: list[int]) -> str:
         return b"".join(self._runner.token_bytes(t) for t in tokens).decode("utf-8", "replace")
