@@ -181,7 +181,7 @@ def markdown(report: dict) -> str:
 
 
 def parser(doc: str = __doc__) -> argparse.ArgumentParser:
-    """The command line of this bench and bench/mxfp4_moe.py (tests/test_gpu_script.py parses bench/gpu/run.py's
+    """The command line of this bench and bench/mxfp4_moe.py (tests/bench/test_gpu_script.py parses bench/gpu/run.py's
     commands with it)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny layer on the CPU, Triton interpreted")

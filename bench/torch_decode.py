@@ -152,7 +152,7 @@ def decode_speed(model, batch: int, ctx: int, steps: int, warmup: int, runner) -
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
+    """The command line (tests/bench/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape")
     ap.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (0: all)")

@@ -336,7 +336,7 @@ def cpu_bench(threads: int, group: int = 64) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
+    """The command line (tests/bench/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp16", help="activation dtype (default fp16)")
     ap.add_argument(

@@ -50,7 +50,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (tests/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
+    """The command line (tests/bench/test_gpu_script.py parses bench/gpu/run.py's commands with it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the JSON result")
     ap.add_argument("--model", default=None, help="model to serve (default: the staged SmolLM2 GPTQ)")
