@@ -1,6 +1,7 @@
 """Reasoning end to end with the official clients: SmolLM2 served with DeepSeek-R1-distill's template (its
 generation prompt opens `<think>`), on both backends. SmolLM2 never writes `</think>` itself, so the budget is what
-ends its thinking: the engine writes the end marker, and the model answers after it."""
+ends its thinking: the engine writes the end marker, and the model answers after it. The library (LLM.reply, LLM.chat)
+answers the same requests as the server does."""
 
 from __future__ import annotations
 
@@ -266,9 +267,8 @@ def test_the_library_replies_as_the_server_does(oai, library, ask):
     ]
     assert bool(calls) == ("tools" in ask)
     assert reply.finish_reason == served.choices[0].finish_reason
-    if (
-        "tools" not in ask
-    ):  # (one streamed run is enough: a call's 100-odd tokens are slow on the torch backend)
+    # one streamed run is enough (a call's 100-odd tokens are slow on the torch backend)
+    if "tools" not in ask:
         streamed = asyncio.run(_answer(library.chat(ASK, temperature=0, **ask)))
         assert streamed == reply.content  # chat streams the answer alone, without the reasoning
 
