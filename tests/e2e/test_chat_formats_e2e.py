@@ -12,6 +12,7 @@ llama.cpp runs of the same tests."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 
 import jsonschema
 import openai
@@ -45,7 +46,7 @@ BACKENDS = {"llamacpp": tuple(FAMILIES), "torch": TORCH_FAMILIES}
 
 
 def cases(thinking_only: bool = False) -> list:
-    """(backend, family) pairs: `client` is built once per backend."""
+    """(backend, family) pairs."""
     return [
         pytest.param(backend, name, id=f"{backend}-{name}")
         for backend, names in BACKENDS.items()
@@ -67,32 +68,43 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client(request, smollm2_gguf, smollm2_hf, tmp_path_factory) -> openai.OpenAI:
+def clients(smollm2_gguf, smollm2_hf, tmp_path_factory) -> Iterator[Callable[[str], openai.OpenAI]]:
+    """One router per backend for the whole module, started by its first test. (A module-scoped fixture
+    parametrized per case would be set up again for every case: 33 server starts instead of two.)"""
     if not TEMPLATES.is_dir():
         pytest.skip(f"{TEMPLATES} not present (make test extracts llama.cpp's templates)")
-    tmp = tmp_path_factory.mktemp(f"formats-{request.param}")
-    source = smollm2_gguf if request.param == "llamacpp" else smollm2_hf
-    entries = "".join(
-        f'[models.{name.lower().replace(".", "-")}]\nsource = "{source}"\nbackend = "{request.param}"\n'
-        f'ctx_size = 2048\nchat_template = "{TEMPLATES / name}.jinja"\n'
-        for name in BACKENDS[request.param]
-    )
-    (tmp / "models.toml").write_text(entries)
-    srv = start_server(
-        tmp,
-        "--models-file", str(tmp / "models.toml"), "--models-max", str(len(BACKENDS[request.param])),
-        "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "2",  # each test's two requests at once
-    )  # fmt: skip
-    yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    assert srv.stop() == 0
+    servers = {}
+
+    def client(backend: str) -> openai.OpenAI:
+        if backend not in servers:
+            tmp = tmp_path_factory.mktemp(f"formats-{backend}")
+            source = smollm2_gguf if backend == "llamacpp" else smollm2_hf
+            entries = "".join(
+                f'[models.{_model(name)}]\nsource = "{source}"\nbackend = "{backend}"\n'
+                f'ctx_size = 2048\nchat_template = "{TEMPLATES / name}.jinja"\n'
+                for name in BACKENDS[backend]
+            )
+            (tmp / "models.toml").write_text(entries)
+            servers[backend] = start_server(
+                tmp,
+                "--models-file", str(tmp / "models.toml"), "--models-max", str(len(BACKENDS[backend])),
+                "--reasoning", "on", "--reasoning-budget", "8", "--max-num-seqs", "2",  # each test's two requests
+            )  # fmt: skip
+        url = servers[backend].base_url + "/v1"
+        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+    yield client
+    for srv in servers.values():
+        assert srv.stop() == 0
 
 
 def _model(name: str) -> str:
     return name.lower().replace(".", "-")
 
 
-@pytest.mark.parametrize(("client", "name"), cases(), indirect=["client"])
-def test_required_calls_whole_and_streamed(client, name):
+@pytest.mark.parametrize(("backend", "name"), cases())
+def test_required_calls_whole_and_streamed(clients, backend, name):
+    client = clients(backend)
     model = _model(name)
     card = next(m for m in client.models.list().data if m.id == model).model_dump()
     assert card["meta"]["tool_format"] == FAMILIES[name][0]
@@ -115,8 +127,9 @@ def test_required_calls_whole_and_streamed(client, name):
     assert list(args) == [0] and jsonschema.validate(json.loads(args[0]), SCHEMA) is None
 
 
-@pytest.mark.parametrize(("client", "name"), cases(thinking_only=True), indirect=["client"])
-def test_reasoning_apart_bounded_and_switched_off(client, name):
+@pytest.mark.parametrize(("backend", "name"), cases(thinking_only=True))
+def test_reasoning_apart_bounded_and_switched_off(clients, backend, name):
+    client = clients(backend)
     model = _model(name)
     r, off = together(
         lambda: client.chat.completions.create(model=model, messages=ASK, temperature=0, max_tokens=32),
@@ -155,12 +168,12 @@ def _chat_calls(client, model: str, max_tokens: int, stream: bool) -> tuple[str,
     return reason, [(n, a) for n, a in calls.values()]
 
 
-@pytest.mark.parametrize(("client", "name"), cases(), indirect=["client"])
-def test_a_reply_cut_in_its_calls_keeps_the_complete_ones(client, name):
+@pytest.mark.parametrize(("backend", "name"), cases())
+def test_a_reply_cut_in_its_calls_keeps_the_complete_ones(clients, backend, name):
     """SmolLM2 goes on writing calls under a parallel grammar until max_tokens cuts one (or it stops): the calls
     written in full come back parsed and valid, streamed and not, and an unfinished one is dropped. (The two runs,
     which decode in one batch, are compared call by call only for validity: batching may change a greedy reply.)"""
-    model = _model(name)
+    client, model = clients(backend), _model(name)
     for reason, calls in together(
         *(lambda s=stream: _chat_calls(client, model, 72, s) for stream in (False, True))
     ):
