@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,35 +128,65 @@ def kl_divergence(
 ) -> KLResult:
     """KL(base || model) per scored token, over the same chunks, plus both perplexities and top-1 agreement.
     Both models are scored by `backend`."""
-    a = Scorer(base, backend, n_ctx=n_ctx, threads=threads)
+    (result,) = kl_divergences(
+        base, [model], text, n_ctx=n_ctx, threads=threads, progress=progress, backend=backend
+    )
+    return result
+
+
+def kl_divergences(
+    base: Path,
+    models: Sequence[Path],
+    text: str,
+    *,
+    n_ctx: int = 512,
+    threads: int = 0,
+    progress=None,
+    backend: str = "llamacpp",
+) -> list[KLResult]:
+    """kl_divergence of each model against one base, which is scored once: all the models are loaded at once and
+    each chunk is scored by the base, then by each model (llama-perplexity instead saves the base's logits to a
+    file, --kl-divergence-base)."""
+    scorers: list[Scorer] = []
     try:
-        b = Scorer(model, backend, n_ctx=n_ctx, threads=threads)
-    except BaseException:
-        a.close()
-        raise
-    try:
-        if a.n_vocab != b.n_vocab:
-            raise ConfigError(
-                f"vocabularies differ ({a.n_vocab} vs {b.n_vocab} tokens); KL needs the same vocab"
-            )
+        for path in (base, *models):
+            scorers.append(Scorer(path, backend, n_ctx=n_ctx, threads=threads))
+        a, others = scorers[0], scorers[1:]
         tokens = _tokens(a, text)
-        if b.tokenize(text) != tokens:
-            raise ConfigError("the two models tokenize the text differently; KL needs the same tokenizer")
-        kl = nll_a = nll_b = 0.0
-        agree = count = 0
-        pairs = zip(a.chunks(tokens), b.chunks(tokens), strict=True)
-        for done, ((lp, targets), (lq, _)) in enumerate(pairs, start=1):
+        for b in others:
+            if a.n_vocab != b.n_vocab:
+                raise ConfigError(
+                    f"vocabularies differ ({a.n_vocab} vs {b.n_vocab} tokens); KL needs the same vocab"
+                )
+            if b.tokenize(text) != tokens:
+                raise ConfigError("the two models tokenize the text differently; KL needs the same tokenizer")
+        kl = [0.0] * len(others)
+        nll_b = [0.0] * len(others)
+        agree = [0] * len(others)
+        nll_a, count = 0.0, 0
+        streams = zip(a.chunks(tokens), *(b.chunks(tokens) for b in others), strict=True)
+        for done, ((lp, targets), *scored) in enumerate(streams, start=1):
             rows = np.arange(len(targets))
-            kl += float((np.exp(lp) * (lp - lq)).sum())
-            agree += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+            p, top = np.exp(lp), lp.argmax(-1)
+            for i, (lq, _) in enumerate(scored):
+                kl[i] += float((p * (lp - lq)).sum())
+                agree[i] += int((top == lq.argmax(-1)).sum())
+                nll_b[i] -= float(lq[rows, targets].sum())
             nll_a -= float(lp[rows, targets].sum())
-            nll_b -= float(lq[rows, targets].sum())
             count += len(targets)
             if progress:
                 progress(done, len(tokens) // n_ctx)
     finally:
-        a.close()
-        b.close()
-    return KLResult(
-        kl / count, agree / count, math.exp(nll_a / count), math.exp(nll_b / count), count, a.scored_by
-    )
+        for scorer in scorers:
+            scorer.close()
+    return [
+        KLResult(
+            kl[i] / count,
+            agree[i] / count,
+            math.exp(nll_a / count),
+            math.exp(nll_b[i] / count),
+            count,
+            a.scored_by,
+        )  # fmt: skip
+        for i in range(len(others))
+    ]

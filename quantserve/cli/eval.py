@@ -133,29 +133,43 @@ def ppl(model: str, text_file: str, n_ctx: int, threads: int, models_file: str |
 
 @eval_group.command("kl")
 @click.option("--base", required=True, help="reference model (e.g. the full-precision one)")
-@click.option("--model", "model", required=True, help="model to compare against --base")
+@click.option(
+    "--model",
+    "models",
+    required=True,
+    multiple=True,
+    help="model to compare against --base; repeat it to compare several, the base scored once",
+)
 @_text
 @_ctx
 @_threads
 @_models
 @_backend
 def kl(
-    base: str, model: str, text_file: str, n_ctx: int, threads: int, models_file: str | None, backend: str
+    base: str,
+    models: tuple[str, ...],
+    text_file: str,
+    n_ctx: int,
+    threads: int,
+    models_file: str | None,
+    backend: str,
 ) -> None:
-    """Mean KL(base || model) and top-1 token agreement over the scored tokens of --text (both models on
+    """Mean KL(base || model) and top-1 token agreement over the scored tokens of --text (all models on
     --backend)."""
-    from quantserve.evaluate import kl_divergence
+    from quantserve.evaluate import kl_divergences
 
     text = Path(text_file).read_text(encoding="utf-8")
     _needs_torch(backend)
     a = _measure("converting", lambda _: _FOR_BACKEND[backend](base, models_file))
-    b = _measure("converting", lambda _: _FOR_BACKEND[backend](model, models_file))
-    r = _measure(
+    paths = [_measure("converting", lambda _, m=m: _FOR_BACKEND[backend](m, models_file)) for m in models]
+    results = _measure(
         "KL divergence",
-        lambda p: kl_divergence(a, b, text, n_ctx=n_ctx, threads=threads, progress=p, backend=backend),
+        lambda p: kl_divergences(a, paths, text, n_ctx=n_ctx, threads=threads, progress=p, backend=backend),
     )
-    click.echo(
-        f"base:  {_shown(base, a)}\nmodel: {_shown(model, b)}\nscored by: {r.scored_by}\nmean KL = {r.mean_kl:.6f} nats, top-1 agreement = "
-        f"{100 * r.top1_agreement:.2f}%, PPL base {r.ppl_base:.4f}, PPL model {r.ppl_model:.4f} "
-        f"({r.n_scored} tokens)"
-    )
+    click.echo(f"base:  {_shown(base, a)}")
+    for model, path, r in zip(models, paths, results, strict=True):
+        click.echo(
+            f"model: {_shown(model, path)}\nscored by: {r.scored_by}\nmean KL = {r.mean_kl:.6f} nats, top-1 "
+            f"agreement = {100 * r.top1_agreement:.2f}%, PPL base {r.ppl_base:.4f}, PPL model {r.ppl_model:.4f} "
+            f"({r.n_scored} tokens)"
+        )
