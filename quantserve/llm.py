@@ -167,7 +167,7 @@ class LLM:
         bos, eos = loaded.bos_token, loaded.eos_token
         template = None
         if (t := plan.template) is not None:
-            template = ChatTemplate(t.text, bos_token=bos, eos_token=eos, origin=t.origin)
+            template = ChatTemplate.shared(t.text, bos, eos, t.origin)  # the plan's, where BOS and EOS agree
         llm = cls(model.name, loaded.runner, plan, template, loaded.info)
         llm._keep_alive = loaded.keep_alive  # a temporary conversion lives as long as the model
         return llm

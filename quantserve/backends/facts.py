@@ -4,6 +4,7 @@ configs only."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from quantserve.chat import ChatTemplate, tool_format
@@ -24,14 +25,45 @@ def chat_template(spec: ModelSpec, settings: EngineSettings) -> TemplateSource |
     Raises:
         ConfigError: the --chat-template file cannot be read.
     """
+    bos, eos = _special_texts(spec)
     if settings.chat_template:
         path = Path(settings.chat_template).expanduser()
-        return TemplateSource(read_template_file(path), f"--chat-template {path}")
+        return TemplateSource(read_template_file(path), f"--chat-template {path}", bos, eos)
     if spec.format == "gguf":
         text = read_gguf_info(spec.files[0]).chat_template
-        return TemplateSource(text, f"tokenizer.chat_template in {spec.files[0].name}") if text else None
+        return (
+            TemplateSource(text, f"tokenizer.chat_template in {spec.files[0].name}", bos, eos)
+            if text
+            else None
+        )
     found = find_chat_template(spec.directory)
-    return TemplateSource(found[0], str(found[1])) if found else None
+    return TemplateSource(found[0], str(found[1]), bos, eos) if found else None
+
+
+def _special_texts(spec: ModelSpec) -> tuple[str, str]:
+    """The BOS and EOS tokens' text as the files name them: a GGUF's tokenizer.ggml.tokens at its bos/eos ids,
+    an HF checkpoint's tokenizer_config.json bos_token/eos_token (a string or an AddedToken's content). The
+    loaded tokenizer has the last word (LLM.load); where the two agree, the template is probed once."""
+    if spec.format == "gguf":
+        meta = read_gguf_info(spec.files[0]).metadata
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+
+        def text(key: str) -> str:
+            i = meta.get(key)
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
+
+        return text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id")
+    try:
+        config = json.loads((spec.directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "", ""
+
+    def named(key: str) -> str:
+        entry = config.get(key) if isinstance(config, dict) else None
+        entry = entry.get("content") if isinstance(entry, dict) else entry
+        return entry if isinstance(entry, str) else ""
+
+    return named("bos_token"), named("eos_token")
 
 
 def template_formats(template: TemplateSource | None) -> tuple[str | None, str | None]:
@@ -43,7 +75,7 @@ def template_formats(template: TemplateSource | None) -> tuple[str | None, str |
     """
     if template is None:
         return None, None
-    probed = ChatTemplate(template.text, origin=template.origin)
+    probed = ChatTemplate.shared(template.text, template.bos_token, template.eos_token, template.origin)
     reasoning = probed.reasoning
     return tool_format(probed).name, reasoning.describe() if reasoning is not None else None
 

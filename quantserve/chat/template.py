@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +116,14 @@ class ChatTemplate:
         self.origin = origin
         self.bos_token = bos_token
         self.eos_token = eos_token
+
+    @staticmethod
+    @lru_cache(maxsize=64)
+    def shared(source: str, bos_token: str, eos_token: str, origin: str) -> ChatTemplate:
+        """One ChatTemplate per (source, BOS, EOS, origin) in this process, so that its probe renders (`probe`,
+        `reasoning`) are made once: the plan's tool-call and reasoning names and the loaded model's parsers come
+        from the same object. A ChatTemplate is not changed after it is made."""
+        return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token, origin=origin)
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> ChatTemplate:

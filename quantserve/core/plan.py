@@ -20,10 +20,14 @@ CAPABILITIES = ("completion", "chat", "tools", "vision", "embeddings", "rerank",
 
 @dataclass(frozen=True)
 class TemplateSource:
-    """A chat template's Jinja source and where it was found (a file, a GGUF key, or --chat-template)."""
+    """A chat template's Jinja source, where it was found (a file, a GGUF key, or --chat-template), and the text
+    of the model's BOS and EOS tokens as its files name them (what the template renders for bos_token and
+    eos_token; "" where the files do not say)."""
 
     text: str
     origin: str
+    bos_token: str = ""
+    eos_token: str = ""
 
 
 @dataclass(frozen=True)
