@@ -15,7 +15,7 @@ async def ask(llm, question: str) -> str:
 
 
 async def main() -> None:
-    llm = quantserve.load("smollm2", threads=2)
+    llm = quantserve.load("smollm2")
     try:
         answers = await asyncio.gather(
             ask(llm, "What is the capital of France?"), ask(llm, "What is 12 times 12?")

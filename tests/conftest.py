@@ -43,8 +43,10 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
         if "torch" in sys.modules:  # imported already: the variable is read only at torch's start
             sys.modules["torch"].set_num_threads(THREADS)
-        # quantserve's own default (llama.cpp's threads, the quantizer's) is the machine's count: the worker's here
+        # quantserve's own default (llama.cpp's threads, the quantizer's) is the machine's count: the worker's here,
+        # and in the processes the tests start (the examples, CLI runs, the GPU script's steps) QUANTSERVE_THREADS
         os.cpu_count = lambda: THREADS
+        os.environ.setdefault("QUANTSERVE_THREADS", str(THREADS))
     if "QUANTSERVE_CACHE" not in os.environ:
         import tempfile
 

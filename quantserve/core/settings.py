@@ -3,6 +3,7 @@ and handed down unchanged: the engine reads the common fields, each backend its 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -172,3 +173,13 @@ def parse_tensor_split(text: str) -> list[float]:
             param="tensor_split",
         )
     return shares
+
+
+def cpu_threads(threads: int) -> int:
+    """The CPU threads to compute with: `threads`, or where it is 0 (all cores) QUANTSERVE_THREADS if that is set,
+    as `quantserve run` reads it, so the library, `eval` and `convert --check` follow it too; else 0, the backend's
+    own all-cores default."""
+    if threads:
+        return threads
+    value = os.environ.get("QUANTSERVE_THREADS", "").strip()
+    return int(value) if value.isdigit() else 0

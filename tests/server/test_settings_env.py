@@ -66,3 +66,14 @@ def test_the_key_from_a_file(run, tmp_path):
 def test_a_bad_origin_is_refused_by_name():
     r = CliRunner().invoke(main, ["run", "smollm2"], env={"QUANTSERVE_ALLOWED_ORIGINS": "localhost:3000"})
     assert r.exit_code == 2 and "--allowed-origins: 'localhost:3000' is not an origin" in r.output
+
+
+def test_threads_left_at_zero_follow_quantserve_threads_outside_run_too(monkeypatch):
+    """The library, `eval` and `convert --check` leave threads at 0 (all cores): QUANTSERVE_THREADS, where set,
+    is what the backends then use, as `run` reads it."""
+    from quantserve.core.settings import cpu_threads
+
+    monkeypatch.setenv("QUANTSERVE_THREADS", "3")
+    assert (cpu_threads(0), cpu_threads(2)) == (3, 2)
+    monkeypatch.delenv("QUANTSERVE_THREADS")
+    assert cpu_threads(0) == 0  # the backend's own default: every core

@@ -25,7 +25,7 @@ from quantserve.core.rpc import parse_endpoints
 from quantserve.core.runner import CopyKV, DropKV, KVCacheFull, KVSpec, RunnerBase, VisionSpec
 from quantserve.core.sampling_params import SamplingParams
 from quantserve.core.sequence import SampledToken, Sequence, TokenLogprob
-from quantserve.core.settings import EngineSettings, parse_tensor_split
+from quantserve.core.settings import EngineSettings, cpu_threads, parse_tensor_split
 from quantserve.errors import ConfigError, ModelFileError
 from quantserve.formats import read_gguf_info
 from quantserve.structured import Vocabulary
@@ -102,7 +102,7 @@ class LlamaCppRunner(RunnerBase):
         # It costs n_ctx cells per sequence.
         self.n_ctx = kv.n_ctx
         n_cells = kv.cells
-        threads = settings.threads or max(1, (os.cpu_count() or 2))
+        threads = cpu_threads(settings.threads) or max(1, (os.cpu_count() or 2))
         cparams = lc.llama_context_default_params()
         cparams.n_ctx = n_cells
         cparams.n_batch = settings.n_batch

@@ -12,7 +12,7 @@ from quantserve.backends import facts
 from quantserve.core.model_size import model_shape, torch_kv
 from quantserve.core.plan import ModelPlan
 from quantserve.core.runner import Loaded, ModelInfo
-from quantserve.core.settings import EngineSettings
+from quantserve.core.settings import EngineSettings, cpu_threads
 from quantserve.errors import BackendUnavailableError, ConfigError, UnsupportedFormatError, require_torch
 from quantserve.formats import ModelSpec
 from quantserve.formats.hf_config import is_llava
@@ -98,8 +98,8 @@ class TorchBackend:
         from quantserve.backends.torch.weights import load_model
 
         spec, settings = plan.spec, plan.settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        if threads := cpu_threads(settings.threads):
+            torch.set_num_threads(threads)
         image_config = None
         if plan.vision is not None:  # its images must fit its tower: refused now, never by a request
             from quantserve.formats.image_processor import ImageProcessorConfig, check_tower
@@ -142,8 +142,8 @@ def load_slice(spec: ModelSpec, settings: EngineSettings, tp, device):
     from quantserve.backends.torch.tokenizer import HFTokenizer
     from quantserve.backends.torch.weights import load_model
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
+    if threads := cpu_threads(settings.threads):
+        torch.set_num_threads(threads)
     _, dtype = pick_device_dtype(spec.config or {})
     model = load_model(spec, dtype=dtype, device=device, quant=settings.quant, tp=tp)
     fuse_projections(model)
