@@ -30,7 +30,9 @@ def _size(path: Path) -> str:
     help="Output: a directory (-> HF) or a .gguf file.",
 )
 @click.option("--quant", default=None, help="-> GGUF file type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k "
-              "q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m); or -> a quantized HF "
+              "q2_k_s q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m), the i-quants iq4_xs iq4_nl "
+              "iq3_m iq3_s iq3_xs iq3_xxs iq2_m iq2_s iq2_xs iq2_xxs iq1_m iq1_s (all but iq4_*, iq3_m and iq3_s "
+              "need --calib or --imatrix); or -> a quantized HF "
               "directory: gptq, awq, awq-gptq (AWQ's scales, then GPTQ's rounding) or rtn.")  # fmt: skip
 @click.option("--format", "fmt", type=click.Choice(sorted(schemes())), default=None,
               help="Quantized HF output format [default: gptq for --quant gptq/rtn, awq for awq]. With a "

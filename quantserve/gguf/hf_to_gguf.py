@@ -41,9 +41,9 @@ def hf_to_gguf(
     gpt_oss, whose MXFP4 experts stay MXFP4) to one GGUF file.
 
     F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 are written directly with gguf-py (what convert_hf_to_gguf.py,
-    then llama-quantize for the 4/5-bit types, would produce). K-quants, and any type with an importance
-    matrix, are written first as a lossless F16/BF16/F32 GGUF beside dst, then quantized by llama.cpp's
-    `llama_model_quantize` in-process.
+    then llama-quantize for the 4/5-bit types, would produce). K-quants, i-quants, and any type with an
+    importance matrix, are written first as a lossless F16/BF16/F32 GGUF beside dst, then quantized by
+    llama.cpp's `llama_model_quantize` in-process.
 
     Args:
         src: the checkpoint directory (config.json, tokenizer.json, *.safetensors).
@@ -57,13 +57,21 @@ def hf_to_gguf(
     Returns:
         dst.
     Raises:
-        ConfigError: unknown quant, imatrix with a float type, dst exists without force.
+        ConfigError: unknown quant, a type that needs an imatrix without one, imatrix with a float type, dst
+            exists without force.
         UnsupportedFormatError: not a dense safetensors checkpoint, or an unsupported architecture.
         ModelFileError: missing config.json/tokenizer.json or malformed files.
         ConversionError: the disk filled up or llama.cpp's quantizer failed (nothing is left behind).
     """
     src, dst = Path(src), Path(dst)
     target = parse_quant(quant)
+    if target.needs_imatrix and imatrix is None:
+        raise ConfigError(
+            f"{target.name.upper()} needs an importance matrix: llama.cpp will not make it without one (its "
+            "result would be garbage). Convert with --calib builtin (quantserve computes the matrix from "
+            "calibration text) or --imatrix FILE (llama-imatrix's), or pick a type that needs none, e.g. iq4_xs",
+            param="quant",
+        )
     if imatrix is not None and target.name in ("f32", "f16", "bf16"):
         raise ConfigError(
             f"--imatrix only applies to quantized types, not {target.name}; drop it or pick e.g. q4_k_m"

@@ -1,7 +1,7 @@
 """GGUF output types: parse `--quant`, and pick each tensor's ggml type the way llama.cpp's tools do.
 
 Two writers share these rules. Types gguf-py can produce bit-exactly (F32/F16/BF16, Q8_0, Q4_0/1, Q5_0/1) are
-written directly; K-quants and their mixes go through llama.cpp's own quantizer (native_quant.py).
+written directly; K-quants, i-quants and their mixes go through llama.cpp's own quantizer (native_quant.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ class QuantTarget:
     name: str  # canonical lower-case spelling, e.g. "q4_k_m"
     ftype: F  # general.file_type, and llama_model_quantize's params.ftype
     direct: T | None  # the matrix type when we write it ourselves; None: llama.cpp quantizes
+    # llama.cpp refuses to make it without an importance matrix: some of its tensors get a type that
+    # llama-quant.cpp's tensor_requires_imatrix names (IQ1_*, IQ2_*, IQ3_XXS, and Q2_K in a Q2_K_S file)
+    needs_imatrix: bool = False
 
 
 QUANTS: dict[str, QuantTarget] = {
@@ -42,6 +45,20 @@ QUANTS: dict[str, QuantTarget] = {
         QuantTarget("q5_k_s", F.MOSTLY_Q5_K_S, None),
         QuantTarget("q5_k_m", F.MOSTLY_Q5_K_M, None),
         QuantTarget("q6_k", F.MOSTLY_Q6_K, None),
+        QuantTarget("q2_k_s", F.MOSTLY_Q2_K_S, None, needs_imatrix=True),
+        # the i-quants, llama-quantize's names; IQ3_XS gives some tensors IQ3_XXS, IQ2_M's main type is IQ2_S
+        QuantTarget("iq4_xs", F.MOSTLY_IQ4_XS, None),
+        QuantTarget("iq4_nl", F.MOSTLY_IQ4_NL, None),
+        QuantTarget("iq3_m", F.MOSTLY_IQ3_M, None),
+        QuantTarget("iq3_s", F.MOSTLY_IQ3_S, None),
+        QuantTarget("iq3_xs", F.MOSTLY_IQ3_XS, None, needs_imatrix=True),
+        QuantTarget("iq3_xxs", F.MOSTLY_IQ3_XXS, None, needs_imatrix=True),
+        QuantTarget("iq2_m", F.MOSTLY_IQ2_M, None, needs_imatrix=True),
+        QuantTarget("iq2_s", F.MOSTLY_IQ2_S, None, needs_imatrix=True),
+        QuantTarget("iq2_xs", F.MOSTLY_IQ2_XS, None, needs_imatrix=True),
+        QuantTarget("iq2_xxs", F.MOSTLY_IQ2_XXS, None, needs_imatrix=True),
+        QuantTarget("iq1_m", F.MOSTLY_IQ1_M, None, needs_imatrix=True),
+        QuantTarget("iq1_s", F.MOSTLY_IQ1_S, None, needs_imatrix=True),
     )
 }
 # Shorthands: a bare K-quant means its _M mix, as llama-quantize's presets recommend.

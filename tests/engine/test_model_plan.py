@@ -186,3 +186,17 @@ def test_inspect_with_a_chat_template_shows_what_that_template_gives(smollm2_ggu
         main, ["inspect", str(smollm2_gguf), "--chat-template", str(tmp_path / "bad.jinja")]
     )
     assert r.exit_code == 2 and "does not parse" in r.output
+
+
+def test_an_i_quant_that_needs_an_imatrix_is_refused_at_plan_and_says_how_to_make_it(tiny_hf):
+    """`run HF_DIR --quant iq2_xxs` (and `inspect`) stop at the plan, before any conversion: a load computes no
+    importance matrix. A type that needs none plans a conversion to itself."""
+    from quantserve.errors import ConfigError
+
+    settings = EngineSettings(backend="llamacpp", quant="iq2_xxs")
+    with pytest.raises(
+        ConfigError, match=r"needs an importance matrix.*quantserve convert .*--calib builtin"
+    ):
+        LLM.plan_for(_resolved(tiny_hf), settings)
+    plan = LLM.plan_for(_resolved(tiny_hf), EngineSettings(backend="llamacpp", quant="iq4_xs"))
+    assert any("convert to GGUF iq4_xs" in step for step in plan.steps)

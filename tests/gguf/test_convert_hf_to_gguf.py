@@ -177,6 +177,86 @@ def test_imatrix_reaches_llama_cpp(checkpoints, tmp_path):
     assert a["token_embd.weight"] == b["token_embd.weight"]  # no imatrix entry for it
 
 
+# the main matrix type of each i-quant file (llama-quant.cpp's llama_ftype_get_default_type), which the tiny
+# models' rows (multiples of 256) take without falling back
+I_QUANTS = {"iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL", "iq3_m": "IQ3_S", "iq3_s": "IQ3_S", "iq3_xs": "IQ3_S",
+            "iq3_xxs": "IQ3_XXS", "iq2_m": "IQ2_S", "iq2_s": "IQ2_XS", "iq2_xs": "IQ2_XS", "iq2_xxs": "IQ2_XXS",
+            "iq1_m": "IQ1_M", "iq1_s": "IQ1_S"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tied_f32(checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny qwen2 (tied embeddings: no 49152-row output matrix to quantize twice per type) as an F32 GGUF, and
+    an importance matrix for it."""
+    d = tmp_path_factory.mktemp("f32")
+    f32 = hf_to_gguf(checkpoints["qwen2"], d / "f32.gguf", "f32", progress=False)
+    _write_imatrix(d / "imatrix.gguf", f32)
+    return f32, d / "imatrix.gguf"
+
+
+@pytest.mark.parametrize("quant", ["iq4_xs", "iq3_xxs", "iq2_m", "iq1_s"])
+def test_i_quants_equal_llama_quantize_with_the_same_imatrix(quant, checkpoints, tied_f32, tmp_path):
+    """An i-quant written from the checkpoint with an importance matrix is llama-quantize's file for the F32 GGUF
+    and the same matrix, tensor for tensor (llama.cpp's quantizer and its per-tensor type rules). One type of each
+    family here; every type's file type and imatrix rule are checked against llama.cpp below."""
+    f32, im = tied_f32
+    quantize_file(f32, tmp_path / "ref.gguf", QUANTS[quant], imatrix=im, nthread=THREADS, verbose=False)
+    out = hf_to_gguf(
+        checkpoints["qwen2"], tmp_path / "ours.gguf", quant, imatrix=im, nthread=THREADS, progress=False
+    )
+    ours, ref = tensor_bytes(out), tensor_bytes(tmp_path / "ref.gguf")
+    assert ours.keys() == ref.keys()
+    for name in ref:
+        assert ours[name] == ref[name], name
+    assert ours["blk.1.ffn_gate.weight"][0] == I_QUANTS[quant]
+    assert read_gguf_info(out).file_type == quant.upper()
+
+
+@pytest.mark.parametrize("quant", [*I_QUANTS, "q2_k_s"])
+def test_each_type_is_llama_cpps_and_needs_an_imatrix_where_llama_cpp_does(
+    quant, checkpoints, tied_f32, tmp_path
+):
+    """Each name is llama.cpp's file type of that name (llama.h's enum, as llama-cpp-python exposes it). Without an
+    importance matrix, llama.cpp refuses exactly the types we refuse up front, naming an offending tensor; we say how
+    to get a matrix, and write nothing."""
+    from quantserve.errors import ConfigError
+    from quantserve.formats.staging import ConversionError
+
+    target = QUANTS[quant]
+    assert int(target.ftype) == getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}")
+    f32, _ = tied_f32
+    if target.needs_imatrix:
+        with pytest.raises(ConversionError):
+            quantize_file(f32, tmp_path / "x.gguf", target, nthread=THREADS, verbose=False)
+        with pytest.raises(ConfigError, match="needs an importance matrix.*--calib builtin.*--imatrix FILE"):
+            hf_to_gguf(checkpoints["qwen2"], tmp_path / "y.gguf", quant, progress=False)
+        assert not (tmp_path / "y.gguf").exists()
+    else:
+        quantize_file(f32, tmp_path / "x.gguf", target, nthread=THREADS, verbose=False)
+        assert read_gguf_info(tmp_path / "x.gguf").file_type == quant.upper()
+
+
+def test_calib_makes_the_importance_matrix_an_i_quant_needs(checkpoints, tmp_path):
+    """`convert --quant iq2_xxs --calib builtin`: quantserve computes the matrix from the calibration tokens and
+    llama.cpp quantizes with it; GPTQ rounds none of the i-quant tensors, and the report says so."""
+    from click.testing import CliRunner
+
+    from quantserve.cli import main
+
+    out = tmp_path / "c.gguf"
+    args = ["convert", "--src", str(checkpoints["llama"]), "--dst", str(out), "--quant", "iq2_xxs", "--calib",
+            "builtin", "--calib-samples", "1", "--calib-seq-len", "64", "--threads", "1", "--no-summary"]  # fmt: skip
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert "IQ2_XXS with GPTQ's codes in" in r.output and "kept llama.cpp's codes" in r.output, r.output
+    info = read_gguf_info(out)
+    assert (
+        info.get("quantize.imatrix.file") == "quantserve"
+        and info.get("quantize.imatrix.entries_count") == 14  # 7 linears a layer (not output.weight)
+    )
+    assert tensor_bytes(out)["blk.1.ffn_gate.weight"][0] == "IQ2_XXS"
+
+
 def _weights(directory: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 

@@ -171,3 +171,20 @@ def test_roundtrip_q4_1_is_identical(smollm2_gguf, roundtrip_gguf, llm):
         str(roundtrip_gguf), n_ctx=512, flash_attn=False, n_threads=THREADS, verbose=False
     )
     assert _llama_greedy(again, ids, 8) == _llama_greedy(llm, ids, 8)
+
+
+def test_an_iq4_xs_of_smollm2_loads_in_llama_cpp_and_answers(hf_dir, hf_tokenizer, tmp_path):
+    """An i-quant of the real model: every linear whose rows (576) are not a multiple of 256 falls back to IQ4_NL,
+    llama.cpp's rule (tensor_type_fallback), the rest are IQ4_XS; llama.cpp loads the file and answers."""
+    from collections import Counter
+
+    out = hf_to_gguf(hf_dir, tmp_path / "iq4_xs.gguf", "iq4_xs", nthread=THREADS, progress=False)
+    info = read_gguf_info(out)
+    types = Counter(t.type_name for t in info.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    # ffn_down's rows are 1536 = 6 x 256; without an imatrix, llama.cpp gives the first 30/8 layers' Q5_K
+    assert info.file_type == "IQ4_XS" and types == {"IQ4_NL": 30 * 6, "IQ4_XS": 27, "Q5_K": 3}, types
+    ids = hf_tokenizer(hf_tokenizer.apply_chat_template(PARIS, tokenize=False, add_generation_prompt=True))[
+        "input_ids"
+    ]
+    model = llama_cpp.Llama(str(out), n_ctx=512, flash_attn=False, n_threads=THREADS, verbose=False)
+    assert "Paris" in hf_tokenizer.decode(_llama_greedy(model, ids, 16))

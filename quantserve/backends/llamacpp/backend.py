@@ -106,6 +106,7 @@ class LlamaCppBackend:
             if settings.use_cache
             else "a temporary file"
         )
+        _refuse_without_imatrix(spec, quant)
         steps.append(f"convert to GGUF {target_type(spec, quant)} ({where})")
         llava = is_llava(spec.config)
         if llava:
@@ -238,3 +239,22 @@ class LlamaCppBackend:
         if keep_alive is not None and handle is None:
             keep_alive.cleanup()  # the GGUF is in the cache; the dequantized copy is no longer needed
         return gguf_file, handle or keep_alive
+
+
+def _refuse_without_imatrix(spec: ModelSpec, quant: str | None) -> None:
+    """A conversion at load computes no importance matrix, and the lowest i-quants need one (llama.cpp refuses
+    them without): say so before anything is converted. An unknown type is left to the conversion's own error."""
+    from quantserve.gguf.quant_types import parse_quant
+
+    try:
+        target = parse_quant(quant) if quant else None
+    except ConfigError:
+        return
+    if target is not None and target.needs_imatrix:
+        raise ConfigError(
+            f"--quant {target.name} needs an importance matrix, which a conversion at load does not compute; make "
+            f"the file once with `quantserve convert --src {spec.path} --dst model.{target.name}.gguf --quant "
+            f"{target.name} --calib builtin` and run that, or convert at load to a type that needs none (iq4_xs, "
+            "q4_k_m)",
+            param="quant",
+        )
