@@ -263,12 +263,19 @@ class TransformerBlock(nn.Module):
         return h if self.tp is None else self.tp.all_reduce(h)
 
 
+def empty_embedding(rows: int, dim: int, dtype: torch.dtype | None = None) -> nn.Embedding:
+    """An nn.Embedding whose weight is left unset, for the checkpoint to fill: models are built on the meta device
+    and then loaded, and nn.Embedding's own random init there goes through torch's Python references, which import
+    torch._dynamo (1.4-1.8 s of every process's first load, a tensor-parallel rank's included)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim, dtype=dtype))
+
+
 class Backbone(nn.Module):
     """HF's `model.` prefix: embeddings, decoder layers, final norm."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = empty_embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -18,8 +18,11 @@ def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[torch.Tensor, fl
     `ROPE_INIT_FUNCTIONS` compute them for default, linear, llama3, yarn and longrope (`long`: its factors for
     sequences past the original context)."""
     dim, base = args.rotary_dim or args.head_dim, args.rope_theta
-    # fp32 like transformers, so that both models see the same frequencies.
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    # fp32 like transformers, so that both models see the same frequencies. On the CPU even while the model is
+    # built on the meta device (where arange goes through torch's Python references, which import torch._dynamo:
+    # 1.4-1.8 s of a process's first load); the loader computes the table again on the model's device.
+    cpu = torch.device("cpu")
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=cpu) / dim))
     s = dict(args.rope_scaling)
     kind = s.get("rope_type", "default")
     if kind == "longrope":  # Phi-3: a factor per frequency, short or long, and one attention scaling for both
@@ -28,8 +31,10 @@ def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[torch.Tensor, fl
         scaling = s.get("attention_factor") or (
             math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
         )
-        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
-        return (1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))).float(), scaling
+        ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device=cpu)
+        return (
+            1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=cpu) / dim))
+        ).float(), scaling
     if kind == "linear":
         return (inv_freq / s["factor"]).float(), 1.0
     if kind == "llama3":
@@ -63,7 +68,7 @@ def rope_inv_freq(args: ModelArgs, long: bool = False) -> tuple[torch.Tensor, fl
             lo, hi = math.floor(lo), math.ceil(hi)
         lo, hi = max(lo, 0), min(hi, dim - 1)
         hi = hi + 0.001 if lo == hi else hi
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=cpu) - lo) / (hi - lo)).clamp(0, 1)
         extrapolation = 1 - ramp
         inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
         return inv.float(), float(attention_factor)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantserve.backends.torch.model import empty_embedding
 from quantserve.errors import UnsupportedFormatError
 
 ACTIVATIONS = {
@@ -105,7 +106,7 @@ class VisionEmbeddings(nn.Module):
         super().__init__()
         self.patch_embedding = nn.Conv2d(3, a.hidden_size, a.patch_size, stride=a.patch_size, bias=False)
         self.class_embedding = nn.Parameter(torch.zeros(a.hidden_size))
-        self.position_embedding = nn.Embedding(a.num_patches + 1, a.hidden_size)
+        self.position_embedding = empty_embedding(a.num_patches + 1, a.hidden_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels [N, 3, S, S] -> [N, 1 + patches, D]: the class token, then the patches row by row."""

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from quantserve.backends.torch import llava
 from quantserve.backends.torch.archs import LOAD_QUANTS
 from quantserve.backends.torch.deltanet import QUANTIZABLE
-from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer
+from quantserve.backends.torch.model import ModelArgs, RotaryEmbedding, Transformer, empty_embedding
 from quantserve.backends.torch.tp_shard import Shards, TensorParallel, local_args
 from quantserve.errors import ConfigError, ModelFileError, UnsupportedFormatError
 from quantserve.formats import ModelSpec
@@ -45,7 +45,7 @@ def _empty_model(
     with torch.device("meta"):
         model = Transformer(args).to(dtype)
         if vocab_rows:
-            model.model.embed_tokens = nn.Embedding(vocab_rows, args.hidden_size, dtype=dtype)
+            model.model.embed_tokens = empty_embedding(vocab_rows, args.hidden_size, dtype=dtype)
             model.lm_head = nn.Linear(args.hidden_size, vocab_rows, bias=False, dtype=dtype)
         for prefix in drop:
             _set_module(model, prefix, nn.Identity())

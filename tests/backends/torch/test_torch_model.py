@@ -396,3 +396,23 @@ def test_mixtral_loads_and_quantizes_under_its_own_names(tmp_path):
     with torch.no_grad():
         want, got = ref(ids).logits, ours.compute_logits(ours(ids))
     assert (got - want).abs().max().item() < 1e-3 * want.abs().max().item()
+
+
+def test_a_load_does_not_import_torch_dynamo(tiny_llama_hf):
+    """The model is built on the meta device, where nn.Embedding's random init and torch.arange go through
+    torch's Python references, which import torch._dynamo: 1.4-1.8 s of every torch load (a server's start, each
+    tensor-parallel rank's). Neither is reached any more; a fresh process shows it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, sys, quantserve\n"
+        f"llm = quantserve.load({str(tiny_llama_hf)!r}, backend='torch', threads=1)\n"
+        "async def two(): return [t async for t in llm.complete('Hello', max_tokens=2, temperature=0)]\n"
+        "asyncio.run(two())\n"
+        "llm.close()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "False"
