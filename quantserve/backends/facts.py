@@ -25,31 +25,28 @@ def chat_template(spec: ModelSpec, settings: EngineSettings) -> TemplateSource |
     Raises:
         ConfigError: the --chat-template file cannot be read.
     """
-    bos, eos = _special_texts(spec)
+    info = read_gguf_info(spec.files[0]) if spec.format == "gguf" else None
+    bos, eos = _special_texts(spec, info.metadata if info else None)
     if settings.chat_template:
         path = Path(settings.chat_template).expanduser()
         return TemplateSource(read_template_file(path), f"--chat-template {path}", bos, eos)
-    if spec.format == "gguf":
-        text = read_gguf_info(spec.files[0]).chat_template
-        return (
-            TemplateSource(text, f"tokenizer.chat_template in {spec.files[0].name}", bos, eos)
-            if text
-            else None
-        )
+    if info is not None:
+        text = info.chat_template
+        where = f"tokenizer.chat_template in {spec.files[0].name}"
+        return TemplateSource(text, where, bos, eos) if text else None
     found = find_chat_template(spec.directory)
     return TemplateSource(found[0], str(found[1]), bos, eos) if found else None
 
 
-def _special_texts(spec: ModelSpec) -> tuple[str, str]:
+def _special_texts(spec: ModelSpec, gguf_metadata: dict | None) -> tuple[str, str]:
     """The BOS and EOS tokens' text as the files name them: a GGUF's tokenizer.ggml.tokens at its bos/eos ids,
     an HF checkpoint's tokenizer_config.json bos_token/eos_token (a string or an AddedToken's content). The
     loaded tokenizer has the last word (LLM.load); where the two agree, the template is probed once."""
-    if spec.format == "gguf":
-        meta = read_gguf_info(spec.files[0]).metadata
-        tokens = meta.get("tokenizer.ggml.tokens") or []
+    if gguf_metadata is not None:
+        tokens = gguf_metadata.get("tokenizer.ggml.tokens") or []
 
         def text(key: str) -> str:
-            i = meta.get(key)
+            i = gguf_metadata.get(key)
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
 
         return text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id")
