@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,9 +56,37 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    import shutil
-
     for d in _OWN_CACHE:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# Disk: a whole run used to leave 17 GB under pytest's temporary folder (each test's converted models), and a CI
+# machine with less free ran out of space. pyproject.toml removes a passing test's tmp_path at its end; here, what a
+# module- or class-scoped fixture made with tmp_path_factory is removed when that fixture is torn down. Session
+# fixtures' folders (the SmolLM2 checkpoints) stay to the end of the run, when pytest removes them all.
+_BASETEMP: list[Path] = []
+_MADE: dict[int, set[Path]] = {}  # id(fixturedef) -> the folders its setup made
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _basetemp(tmp_path_factory) -> None:
+    _BASETEMP.append(tmp_path_factory.getbasetemp())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    if fixturedef.scope in ("session", "function") or not _BASETEMP:
+        return (yield)
+    before = set(_BASETEMP[0].iterdir())
+    try:
+        return (yield)
+    finally:
+        _MADE[id(fixturedef)] = set(_BASETEMP[0].iterdir()) - before
+
+
+def pytest_fixture_post_finalizer(fixturedef, request):
+    """Runs after the fixture's own teardown (a server it started has stopped)."""
+    for d in _MADE.pop(id(fixturedef), ()):
         shutil.rmtree(d, ignore_errors=True)
 
 
