@@ -57,7 +57,12 @@ def test_every_writer_module_is_listed():
     for module in _modules("quantserve.converters.hf_quant"):
         found = _defined(module, LayerEncoder)
         assert found and set(found) <= set(writers().values()), f"{module}: {found}"
-    assert set(writers()) == set(schemes())  # a writer for every scheme detect() reads
+    # a writer for every scheme detect() reads but those it reads only (FP8, a float format no writer produces yet)
+    assert (
+        set(writers())
+        == {name for name, cls in schemes().items() if cls.writable}
+        == set(schemes()) - {"fp8"}
+    )
 
 
 def test_the_torch_backend_runs_what_the_registry_marks():

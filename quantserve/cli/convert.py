@@ -9,7 +9,7 @@ import click
 
 from quantserve.cli.common import fail
 from quantserve.errors import ConfigError, QuantserveError, UnsupportedFormatError, require_torch
-from quantserve.formats.schemes import schemes
+from quantserve.formats.schemes import writable_schemes
 
 QUANT_METHODS = ("gptq", "awq", "awq-gptq", "rtn")  # -> a quantized HF directory (converters/calibration)
 
@@ -34,7 +34,7 @@ def _size(path: Path) -> str:
               "iq3_m iq3_s iq3_xs iq3_xxs iq2_m iq2_s iq2_xs iq2_xxs iq1_m iq1_s (all but iq4_*, iq3_m and iq3_s "
               "need --calib or --imatrix); or -> a quantized HF "
               "directory: gptq, awq, awq-gptq (AWQ's scales, then GPTQ's rounding) or rtn.")  # fmt: skip
-@click.option("--format", "fmt", type=click.Choice(sorted(schemes())), default=None,
+@click.option("--format", "fmt", type=click.Choice(writable_schemes()), default=None,
               help="Quantized HF output format [default: gptq for --quant gptq/rtn, awq for awq]. With a "
               "GPTQ/AWQ/compressed-tensors/Marlin --src and no --quant: repack losslessly.")  # fmt: skip
 @click.option("--bits", type=click.Choice(["2", "3", "4", "8"]), default="4", show_default=True,
@@ -119,7 +119,8 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
             calib_samples: int | None, calib_seq_len: int | None, quantize_deltanet: bool, damp_percent: float, dtype: str | None, imatrix: Path | None, mmproj_type: str | None,
             threads: int | None, force: bool, check: bool, check_text: Path | None,
             summary: bool) -> None:  # fmt: skip
-    """Convert between GGUF, dense HF and quantized HF (GPTQ, AWQ, compressed-tensors, Marlin) checkpoints.
+    """Convert between GGUF, dense HF and quantized HF (GPTQ, AWQ, compressed-tensors, Marlin) checkpoints; an FP8
+    or other quantized HF checkpoint also converts to GGUF, through its exact dequantized weights.
 
     \b
     Examples:
@@ -131,6 +132,7 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
       quantserve convert --src model-hf/ --dst model-gptq/ --quant gptq --group-size 128 --act-order group
       quantserve convert --src model-hf/ --dst model-awq/ --quant awq --calib my-text.txt
       quantserve convert --src model-gptq/ --dst model-marlin/ --format marlin
+      quantserve convert --src Qwen3-8B-FP8/ --dst qwen3-8b.Q8_0.gguf --quant q8_0
     """
     from quantserve.converters import gguf_to_hf, hf_to_gguf, llava_to_gguf
     from quantserve.formats import detect
@@ -195,9 +197,14 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
                 companions.append(line)
             else:
                 out = hf_to_gguf(src, dst, quant=quant, imatrix=imatrix, force=force, nthread=threads)
+        elif spec.scheme is not None:  # a quantized HF checkpoint: its exact dense weights, then HF -> GGUF
+            _fail_if(dtype or calib or calib_dataset or not quant, f"{src} is {spec.scheme.summary()}; convert it "
+                     "to GGUF with --quant (e.g. --quant q8_0, which keeps 8-bit and FP8 weights nearly exact)")  # fmt: skip
+            out = _quantized_to_gguf(spec, Path(dst), quant, imatrix, force, threads)
         else:
             raise UnsupportedFormatError(
-                f"{src} is a {fmt} checkpoint; convert reads GGUF files and dense safetensors checkpoints"
+                f"{src} is a {fmt} checkpoint; convert reads GGUF files and dense or quantized safetensors "
+                "checkpoints"
             )
     except QuantserveError as exc:
         fail(exc)
@@ -211,6 +218,24 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
             fail(exc)
     elif summary and quant and not _is_float(quant):  # a float output loses nothing to report
         click.echo(_summary(src, out, threads))
+
+
+def _quantized_to_gguf(
+    spec, dst: Path, quant: str, imatrix: str | None, force: bool, threads: int | None
+) -> Path:
+    """GPTQ, AWQ, Marlin, compressed-tensors or FP8 to GGUF, as llama.cpp's own converter takes FP8: the weights
+    dequantized exactly (fp32, in a folder beside `dst` removed after), then written at `quant`."""
+    import tempfile
+
+    from quantserve.converters import hf_to_gguf
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".quantserve-dequant-", dir=dst.parent) as tmp:
+        dense = dequantize_checkpoint(
+            spec.directory, Path(tmp) / spec.directory.name, dtype="float32"
+        )  # its name names the GGUF
+        return hf_to_gguf(dense, dst, quant=quant, imatrix=imatrix, force=force, nthread=threads)
 
 
 def _is_float(quant: str) -> bool:

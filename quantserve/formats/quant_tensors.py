@@ -1,4 +1,5 @@
-"""Decode one quantized linear's checkpoint tensors (GPTQ, AWQ, compressed-tensors, Marlin) into a QuantizedWeight.
+"""Decode one quantized linear's checkpoint tensors (GPTQ, AWQ, compressed-tensors, Marlin) into a QuantizedWeight,
+or an FP8 one's into an Fp8Weight.
 
 Pure functions over tensors already in memory: the reader (quant_read.py) finds the tensors and the per-layer
 settings, these turn them into the canonical form. Section names refer to docs/quantized-checkpoints.md.
@@ -17,6 +18,7 @@ import torch
 
 from quantserve.errors import ModelFileError, UnsupportedFormatError
 from quantserve.kernels import grouping
+from quantserve.kernels.fp8 import Fp8Weight
 from quantserve.kernels.grouping import SUPPORTED_BITS
 from quantserve.kernels.packing import pack, packed_len, unpack
 from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
@@ -42,6 +44,8 @@ class LayerQuant:
     "dense" (bitstream, >= 0.18); "auto" picks by the tensor width ("compressed-tensors packing").
     from_shapes: derive bits and group size from the tensor shapes when they disagree with the config
     ("Telling layouts apart", used with GPTQModel `dynamic`).
+    block: FP8 only: the (rows, columns) one scale covers, as the config states it; None: per-tensor or
+    per-channel, told apart by the scale's shape ("FP8").
     """
 
     bits: int
@@ -50,6 +54,7 @@ class LayerQuant:
     zero_format: str = "v1"
     packing: str = "dense"
     from_shapes: bool = False
+    block: tuple[int, int] | None = None
 
 
 def _error(
@@ -346,6 +351,43 @@ def decode_marlin(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
     return _finish(prefix, w)
 
 
+# ---- FP8 ("FP8") ----------------------------------------------------------------------------------------
+
+
+def decode_fp8(prefix: str, get: Get, lq: LayerQuant) -> Fp8Weight:
+    """`weight` float8_e4m3fn [N, K] times `weight_scale_inv` (native FP8) or `weight_scale` (compressed-tensors):
+    one scale, one per output row, or one per `lq.block` block."""
+    name = f"{prefix}.weight"
+    w = _need(get, prefix, "weight")
+    if w.dtype != torch.float8_e4m3fn:
+        raise _error(name, f"dtype {w.dtype}: FP8 weights are float8_e4m3fn (e4m3)")
+    suffix = "weight_scale_inv" if get("weight_scale_inv") is not None else "weight_scale"
+    s, scale_name = get(suffix), f"{prefix}.{suffix}"
+    if s is None:
+        raise _error(scale_name, "missing from the checkpoint", "download the missing shard or file")
+    if not s.is_floating_point() or s.dtype.itemsize < 2:
+        raise _error(scale_name, f"dtype {s.dtype}: FP8 weight scales are float32, bfloat16 or float16")
+    n, k = w.shape
+    if lq.block is not None:
+        block = lq.block
+    elif s.numel() == 1:
+        block = (n, k)  # per tensor
+    elif s.numel() == n and (s.dim() == 1 or s.shape[-1] == 1):
+        block = (1, k)  # per output channel
+    else:
+        raise _error(
+            scale_name, f"shape {list(s.shape)} is neither one scale nor one per row of {name} [{n}, {k}]"
+        )
+    grid = (-(-n // block[0]), -(-k // block[1]))
+    if s.numel() != grid[0] * grid[1] or (s.dim() == 2 and tuple(s.shape) != grid):
+        raise _error(
+            scale_name,
+            f"shape {list(s.shape)} does not match {name} [{n}, {k}] in blocks of {list(block)}: expected {list(grid)}",
+        )
+    input_scale = get("input_scale")
+    return Fp8Weight(w, s.float().reshape(grid), block, None if input_scale is None else input_scale.float())
+
+
 @dataclass(frozen=True)
 class Layout:
     """A per-linear tensor layout (a scheme's `layout()`): the tensor that marks a quantized linear, all tensors
@@ -353,4 +395,4 @@ class Layout:
 
     marker: str
     suffixes: tuple[str, ...]
-    decode: Callable[[str, Get, LayerQuant], QuantizedWeight]
+    decode: Callable[[str, Get, LayerQuant], QuantizedWeight | Fp8Weight]

@@ -118,6 +118,8 @@ _AUXILIARY = {
     "weight_zero_point",
     "weight_g_idx",
     "weight_shape",
+    "weight_scale_inv",  # FP8's block scales (its weights count as F8_E4M3 parameters)
+    "input_scale",
 }
 
 
@@ -129,7 +131,11 @@ def _quant_label(spec: ModelSpec, bits: int, group: int) -> str:
 def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
     headers = [read_safetensors_header(f) for f in spec.files]
     tensors = [t for h in headers for t in h.tensors.values()]
-    quantized = {t.name.rsplit(".", 1)[0] for t in tensors if t.name.rsplit(".", 1)[-1] in _PACKED}
+    quantized = {
+        t.name.rsplit(".", 1)[0]
+        for t in tensors
+        if t.name.rsplit(".", 1)[-1] in _PACKED | {"weight_scale_inv"}
+    }
     n_params, classes = 0, []
     for t in tensors:
         prefix, _, last = t.name.rpartition(".")

@@ -20,8 +20,14 @@ from quantserve.formats.mmproj import describe_mmproj
 log = logging.getLogger("quantserve")
 
 
+def _dequant_dtype(spec: ModelSpec) -> str:
+    """fp32 for FP8, whose weights times their fp32 scales fp16 cannot always hold (so the conversion starts from
+    exactly the checkpoint's weights, as llama.cpp's converter does); fp16 for the integer schemes."""
+    return "float32" if spec.format == "fp8" else "float16"
+
+
 def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
-    """A quantized HF checkpoint (GPTQ, AWQ, Marlin, compressed-tensors) as dense fp16 weights in a temporary
+    """A quantized HF checkpoint (GPTQ, AWQ, Marlin, compressed-tensors, FP8) as dense weights in a temporary
     directory (llama.cpp reads no such format); the handle keeps the directory alive while it is served."""
     import tempfile
 
@@ -29,7 +35,9 @@ def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
 
     log.info("backend llamacpp: %s is %s; dequantizing it for conversion to GGUF", spec.path, spec.format)
     tmp = tempfile.TemporaryDirectory(prefix="quantserve-dequant-")
-    dense = dequantize_checkpoint(spec.directory, Path(tmp.name) / "dense", dtype="float16")
+    dense = dequantize_checkpoint(
+        spec.directory, Path(tmp.name) / spec.directory.name, dtype=_dequant_dtype(spec)
+    )
     return detect(dense), tmp
 
 
@@ -99,8 +107,9 @@ class LlamaCppBackend:
         steps = []
         quant = settings.quant
         if spec.scheme is not None:
-            steps.append(f"dequantize the {spec.scheme.summary()} weights to fp16, in a temporary directory")
-            quant = quant or "q8_0"  # the 4-bit values need no more than 8 bits to stay (nearly) exact
+            dtype = "exactly to fp32" if _dequant_dtype(spec) == "float32" else "to fp16"
+            steps.append(f"dequantize the {spec.scheme.summary()} weights {dtype}, in a temporary directory")
+            quant = quant or "q8_0"  # 4-bit values and FP8 need no more than 8 bits to stay (nearly) exact
         where = (
             "kept in the in-situ cache, where a later start finds it"
             if settings.use_cache

@@ -53,7 +53,18 @@ class TorchBackend:
         quant = settings.quant
         device, dtype = pick_device_dtype(spec.config or {})
         where = f"on {device.type} in {str(dtype).removeprefix('torch.')}"
-        if spec.scheme is not None:
+        if spec.format == "fp8":
+            weights = (
+                f"read the {spec.scheme.summary()} weights and keep them in FP8 (1 byte a weight), each matmul "
+                f"decoding them to {str(dtype).removeprefix('torch.')} (W8A16: activations are not quantized)"
+            )
+            if settings.torch.tensor_parallel_size > 1:
+                raise ConfigError(
+                    f"{spec.path} is FP8, which the torch backend serves on one device for now; drop "
+                    "--tensor-parallel-size, or serve it with --backend llamacpp",
+                    param="tensor_parallel_size",
+                )
+        elif spec.scheme is not None:
             weights = f"read the {spec.scheme.summary()} weights and repack them for the W4A16 kernels"
         elif quant:
             weights = f"read the dense {spec.quant.get('dtype', '?')} weights and quantize them to {quant} (RTN W4A16)"

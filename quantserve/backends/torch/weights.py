@@ -213,8 +213,11 @@ def load_model(
             param="quant",
         )
     if spec.scheme is not None:
+        from quantserve.backends.torch.fp8_linear import Fp8Linear
         from quantserve.backends.torch.quant_linear import QuantLinear
         from quantserve.formats.quant_read import open_quantized
+        from quantserve.formats.schemes.fp8 import FP8
+        from quantserve.kernels.fp8 import Fp8Weight
 
         with open_quantized(spec) as ckpt:
             prefixes = {name(p): p for p in ckpt.linear_prefixes()}  # ours -> the checkpoint's
@@ -236,8 +239,19 @@ def load_model(
                     "tower and projector in full precision only. Quantize the language model alone."
                 )
             model = _empty_model(args, dtype, device, drop=list(prefixes), vocab_rows=vocab_rows)
-            for prefix, theirs in tqdm(prefixes.items(), desc="repack to Marlin", unit="linear", leave=False):
+            fp8 = isinstance(spec.scheme, FP8)
+            if fp8 and shards is not None:
+                raise ConfigError(
+                    f"{spec.path} is FP8, which the torch backend serves on one device for now; drop "
+                    "--tensor-parallel-size, or serve it with --backend llamacpp",
+                    param="tensor_parallel_size",
+                )
+            desc = "read FP8" if fp8 else "repack to Marlin"
+            for prefix, theirs in tqdm(prefixes.items(), desc=desc, unit="linear", leave=False):
                 qw, bias = ckpt.read_linear(theirs), ckpt.read_bias(theirs)
+                if isinstance(qw, Fp8Weight):
+                    _set_module(model, prefix, Fp8Linear(qw, bias, dtype=dtype, device=device, name=prefix))
+                    continue
                 if shards is not None:
                     qw = shards.quantized(prefix, qw)
                     bias = None if bias is None else shards.dense(prefix + ".bias", bias)

@@ -1,6 +1,6 @@
 """Quantized HF checkpoints: one typed config class per quantization method, parsed once by detect().
 
-A scheme (GPTQ, AWQ, Marlin, compressed-tensors) is one module of this package holding one QuantScheme subclass,
+A scheme (GPTQ, AWQ, Marlin, compressed-tensors, FP8) is one module of this package holding one QuantScheme subclass,
 listed in schemes() below: a new method is its file plus one line there. The class owns everything the rest of
 quantserve asks about its method:
 
@@ -37,6 +37,7 @@ class QuantScheme(ABC):
     name: ClassVar[str]  # detect()'s format name, and the writer's in converters.hf_quant
     quant_methods: ClassVar[tuple[str, ...]]  # quantization_config quant_method values this class parses
     label: ClassVar[str]  # how people write it: "GPTQ"
+    writable: ClassVar[bool] = True  # `quantserve convert --format` writes it
     bits: int
     group_size: int  # -1: one group over K
 
@@ -86,10 +87,16 @@ def schemes() -> dict[str, type[QuantScheme]]:
     """Every scheme by format name, each module imported on the first call."""
     from quantserve.formats.schemes.awq import AWQ
     from quantserve.formats.schemes.compressed_tensors import CompressedTensors
+    from quantserve.formats.schemes.fp8 import FP8
     from quantserve.formats.schemes.gptq import GPTQ
     from quantserve.formats.schemes.marlin import Marlin
 
-    return {cls.name: cls for cls in (AWQ, CompressedTensors, GPTQ, Marlin)}
+    return {cls.name: cls for cls in (AWQ, CompressedTensors, FP8, GPTQ, Marlin)}
+
+
+def writable_schemes() -> list[str]:
+    """The format names `quantserve convert --format` writes."""
+    return sorted(name for name, cls in schemes().items() if cls.writable)
 
 
 def scheme_for_method(method: str | None) -> type[QuantScheme] | None:

@@ -24,10 +24,11 @@ LABELS = {
     "awq-marlin": "AWQ Marlin",
     "marlin": "Marlin (B/s)",
     "compressed-tensors": "compressed-tensors",
+    "fp8": "FP8",
     "unknown": "unrecognised",
 }
 # The tensor that marks a quantized linear, in any layout.
-QUANT_SUFFIXES = ("qweight", "B", "weight_packed")
+QUANT_SUFFIXES = ("qweight", "B", "weight_packed", "weight_scale_inv")
 
 
 def fingerprint(prefix: str, t: Tensors) -> str:
@@ -42,6 +43,8 @@ def fingerprint(prefix: str, t: Tensors) -> str:
         return "marlin" if b.shape[1] in (2 * s.shape[1], 4 * s.shape[1]) else "unknown"
     if f"{prefix}.weight_packed" in t:
         return "compressed-tensors"
+    if (w := t.get(f"{prefix}.weight")) is not None and w.dtype.startswith("F8"):
+        return "fp8"
     qw, sc, qz = get("qweight"), get("scales"), t.get(f"{prefix}.qzeros")
     if qw is None or sc is None:
         return "unknown"
@@ -77,6 +80,9 @@ def any_quantized_layer(t: Tensors) -> tuple[str, str] | None:
     for suffix in QUANT_SUFFIXES:
         for prefix in quantized_prefixes(t, suffix):
             return prefix, fingerprint(prefix, t)
+    for name, x in t.items():  # FP8 weights whose scales are named otherwise, or missing
+        if x.dtype.startswith("F8") and len(x.shape) == 2:
+            return name.removesuffix(".weight"), "fp8"
     return None
 
 

@@ -1,0 +1,189 @@
+"""FP8 checkpoints as the official releases lay them out (`quant_method: fp8`, 128×128 `weight_scale_inv` blocks):
+detected and inspected from their headers, served by the torch backend with the weights kept in FP8 (logits equal
+transformers running the same checkpoint), and by llama.cpp through an exact dequantization and Q8_0; a damaged
+one is refused before anything loads, naming the tensor and the rule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from quantserve.backends.torch.fp8_linear import Fp8Linear
+from quantserve.backends.torch.weights import load_model
+from quantserve.cli import main
+from quantserve.errors import ModelFileError, UnsupportedFormatError
+from quantserve.formats import detect
+from tests.backends.torch.test_torch_engine import greedy_chat
+from tests.fixtures.fp8 import write_fp8
+
+CPU = torch.device("cpu")
+PROMPT = [1, 504, 3458, 282, 4649, 314, 8241, 30, 2]
+
+
+@pytest.fixture(scope="module")
+def fp8(tiny_llama_hf, tmp_path_factory) -> dict[str, Path]:
+    """The tiny llama (hidden 128, ffn 256, k/v 64 rows) with 128×128 blocks, with 32×64 blocks (a grid of
+    scales over every matrix) and with one scale per tensor."""
+    d = tmp_path_factory.mktemp("fp8")
+    return {
+        "b128": write_fp8(tiny_llama_hf, d / "b128", (128, 128)),
+        "b32x64": write_fp8(tiny_llama_hf, d / "b32x64", (32, 64)),
+        "tensor": write_fp8(tiny_llama_hf, d / "tensor", None),
+    }
+
+
+def test_detect_reads_the_scheme_from_the_config_and_headers(fp8):
+    spec = detect(fp8["b128"])
+    assert spec.format == "fp8"
+    assert spec.quant == {"fmt": "e4m3", "weight_block_size": (128, 128), "activation_scheme": "dynamic"}
+    assert spec.scheme.summary() == "FP8 e4m3 (128×128 block scales, dynamic activations)"
+    assert detect(fp8["tensor"]).scheme.summary() == "FP8 e4m3 (one scale per tensor, dynamic activations)"
+    assert spec.scheme.repack_targets() == ()  # no integer layout holds FP8 values
+
+
+def test_inspect_shows_the_scheme_and_both_backends_plans(fp8):
+    out = CliRunner().invoke(main, ["inspect", str(fp8["b32x64"])]).output
+    assert "weight_block_size=(32, 64)" in out and "q_proj: F8_E4M3" in out
+    assert "dequantize the FP8 e4m3 (32×64 block scales, dynamic activations) weights exactly to fp32" in out
+    assert "convert to GGUF q8_0" in out
+    out = CliRunner().invoke(main, ["inspect", str(fp8["b32x64"]), "--backend", "torch"]).output
+    assert "keep them in FP8 (1 byte a weight), each matmul decoding them" in out, out
+
+
+@pytest.mark.parametrize("kind", ["b128", "b32x64", "tensor"])
+def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
+    """transformers reads the FP8 checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle
+    for which scale covers which weight. Ours keeps the file's FP8 bytes and decodes them in each matmul."""
+    model = load_model(detect(fp8[kind]), dtype=torch.float32, device=CPU)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(fp8[kind], dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = ref(ids).logits[0]
+        got = model.compute_logits(model(ids)[0])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    q = model.model.layers[1].mlp.down_proj
+    shipped = load_file(fp8[kind] / "model.safetensors")
+    assert isinstance(q, Fp8Linear) and q.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(
+        q.weight.view(torch.uint8), shipped["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)
+    )
+
+
+def _damaged(src: Path, dst: Path, edit) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    edit(tensors, config["quantization_config"])
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+Q = "model.layers.0.self_attn.q_proj"
+DAMAGES = {
+    "a scale grid of the wrong shape": (
+        lambda t, qc: t.update({f"{Q}.weight_scale_inv": torch.ones(3, 4)}),
+        ModelFileError,
+        [f"{Q}", "weight_scale_inv [3, 4]", "blocks of [32, 64] needs [4, 2]"],
+    ),
+    "a block size that contradicts the scales": (
+        lambda t, qc: qc.update(weight_block_size=[64, 64]),
+        ModelFileError,
+        ["weight_block_size [64, 64]", "[128, 256] in blocks of [64, 64] needs [2, 4]"],
+    ),
+    "e5m2 weights where the config says e4m3": (
+        lambda t, qc: t.update({f"{Q}.weight": t[f"{Q}.weight"].float().to(torch.float8_e5m2)}),
+        ModelFileError,
+        ["fmt e4m3", "F8_E5M2"],
+    ),
+    "an FP8 weight without its scale": (
+        lambda t, qc: t.pop(f"{Q}.weight_scale_inv"),
+        ModelFileError,
+        [f"'{Q}.weight' is F8_E4M3 but has no weight_scale_inv"],
+    ),
+    "an e5m2 checkpoint": (lambda t, qc: qc.update(fmt="e5m2"), UnsupportedFormatError, ["fmt 'e5m2'"]),
+    "a malformed block size": (
+        lambda t, qc: qc.update(weight_block_size=[128]),
+        ModelFileError,
+        ["weight_block_size [128] must be two positive integers"],
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_before_it_loads(damage, fp8, tmp_path):
+    edit, error, words = DAMAGES[damage]
+    bad = _damaged(fp8["b32x64"], tmp_path / "bad", edit)
+    with pytest.raises(error) as e:
+        detect(bad)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    r = CliRunner().invoke(main, ["inspect", str(bad)])  # the CLI says the same, exit 2, no traceback
+    assert r.exit_code == 2 and words[0] in r.output and "Traceback" not in r.output
+
+
+def test_fp8_weights_without_a_config_are_named(fp8, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in fp8["b32x64"].iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    del config["quantization_config"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFileError, match="is FP8-quantized but there is no quantization config"):
+        detect(bad)
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp8(smollm2_hf, tmp_path_factory) -> Path:
+    """SmolLM2 in 128×128 blocks: 576 = 4.5 × 128, so its matrices end in partial blocks."""
+    return write_fp8(smollm2_hf, tmp_path_factory.mktemp("smollm2-fp8") / "fp8", (128, 128))
+
+
+def test_smollm2_fp8_answers_on_both_backends_with_the_same_tokens(smollm2_fp8):
+    """The torch backend keeps the FP8 weights; llama.cpp serves the exact dequantization at Q8_0. Both answer, and
+    their greedy tokens agree."""
+    import quantserve
+
+    replies = {}
+    for backend in ("torch", "llamacpp"):
+        llm = quantserve.load(str(smollm2_fp8), backend=backend, ctx_size=512, max_num_seqs=1)
+        try:
+            replies[backend] = greedy_chat(llm, 12)
+        finally:
+            llm.close()
+    assert "Paris" in replies["torch"], replies
+    assert replies["torch"] == replies["llamacpp"], replies
+
+
+def test_dequantization_is_exactly_what_transformers_computes(fp8, tmp_path):
+    """What llama.cpp is given (and `convert` writes from): the weights transformers dequantizes the checkpoint
+    to, bit for bit."""
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(fp8["b32x64"], dtype=torch.float32).state_dict()
+    dense = load_file(dequantize_checkpoint(fp8["b32x64"], tmp_path / "dense") / "model.safetensors")
+    assert {n for n in dense if n.endswith("_proj.weight")} == {n for n in ref if n.endswith("_proj.weight")}
+    for name, t in dense.items():
+        assert torch.equal(t, ref[name]), name
+
+
+def test_convert_writes_a_gguf_from_fp8(fp8, tmp_path):
+    from quantserve.formats import read_gguf_info
+
+    out = tmp_path / "tiny.gguf"
+    args = ["convert", "--src", str(fp8["b32x64"]), "--dst", str(out), "--quant", "q8_0", "--no-summary"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    meta = read_gguf_info(out).metadata
+    assert meta["general.file_type"] == 7  # MOSTLY_Q8_0
+    assert meta["general.name"] == "B32X64"  # the source's name, not the dense copy's
+    assert not list(tmp_path.glob(".quantserve-dequant-*"))  # the dense copy beside it is gone
