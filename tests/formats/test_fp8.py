@@ -29,12 +29,22 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 8241, 30, 2]
 @pytest.fixture(scope="module")
 def fp8(tiny_llama_hf, tmp_path_factory) -> dict[str, Path]:
     """The tiny llama (hidden 128, ffn 256, k/v 64 rows) with 128×128 blocks, with 32×64 blocks (a grid of
-    scales over every matrix) and with one scale per tensor."""
+    scales over every matrix) and with one scale per tensor; a tiny Qwen3-MoE with FP8 experts."""
     d = tmp_path_factory.mktemp("fp8")
+    torch.manual_seed(0)
+    moe = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=32,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.Qwen3MoeForCausalLM(moe).save_pretrained(d / "qwen3-moe")
     return {
         "b128": write_fp8(tiny_llama_hf, d / "b128", (128, 128)),
         "b32x64": write_fp8(tiny_llama_hf, d / "b32x64", (32, 64)),
         "tensor": write_fp8(tiny_llama_hf, d / "tensor", None),
+        "qwen3-moe": write_fp8(
+            d / "qwen3-moe", d / "qwen3-moe-fp8", (32, 32)
+        ),  # every expert FP8, the router not
     }
 
 
@@ -56,23 +66,22 @@ def test_inspect_shows_the_scheme_and_both_backends_plans(fp8):
     assert "keep them in FP8 (1 byte a weight), each matmul decoding them" in out, out
 
 
-@pytest.mark.parametrize("kind", ["b128", "b32x64", "tensor"])
+@pytest.mark.parametrize("kind", ["b128", "b32x64", "tensor", "qwen3-moe"])
 def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     """transformers reads the FP8 checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle
     for which scale covers which weight. Ours keeps the file's FP8 bytes and decodes them in each matmul."""
     model = load_model(detect(fp8[kind]), dtype=torch.float32, device=CPU)
     ref = transformers.AutoModelForCausalLM.from_pretrained(fp8[kind], dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPT])
+    ids = torch.tensor([[t % 256 for t in PROMPT]])  # in the tiny Qwen3-MoE's vocab too
     with torch.no_grad():
         want = ref(ids).logits[0]
         got = model.compute_logits(model(ids)[0])
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    q = model.model.layers[1].mlp.down_proj
+    down = "model.layers.1.mlp." + ("experts.3.down_proj" if kind == "qwen3-moe" else "down_proj")
+    q = model.get_submodule(down)
     shipped = load_file(fp8[kind] / "model.safetensors")
     assert isinstance(q, Fp8Linear) and q.weight.dtype == torch.float8_e4m3fn
-    assert torch.equal(
-        q.weight.view(torch.uint8), shipped["model.layers.1.mlp.down_proj.weight"].view(torch.uint8)
-    )
+    assert torch.equal(q.weight.view(torch.uint8), shipped[down + ".weight"].view(torch.uint8))
 
 
 def _damaged(src: Path, dst: Path, edit) -> Path:
