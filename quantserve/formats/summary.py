@@ -118,8 +118,9 @@ _AUXILIARY = {
     "weight_zero_point",
     "weight_g_idx",
     "weight_shape",
-    "weight_scale_inv",  # FP8's block scales (its weights count as F8_E4M3 parameters)
+    "weight_scale_inv",  # FP8's scales (its weights count as F8_E4M3 parameters)
     "input_scale",
+    "input_zero_point",
 }
 
 
@@ -134,7 +135,7 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
     quantized = {
         t.name.rsplit(".", 1)[0]
         for t in tensors
-        if t.name.rsplit(".", 1)[-1] in _PACKED | {"weight_scale_inv"}
+        if t.name.rsplit(".", 1)[-1] in _PACKED or (t.name.endswith(".weight") and t.dtype.startswith("F8"))
     }
     n_params, classes = 0, []
     for t in tensors:

@@ -20,7 +20,7 @@ from quantserve.cli import main
 from quantserve.errors import ModelFileError, UnsupportedFormatError
 from quantserve.formats import detect
 from tests.backends.torch.test_torch_engine import greedy_chat
-from tests.fixtures.fp8 import write_fp8
+from tests.fixtures.fp8 import write_compressed_fp8, write_fp8
 
 CPU = torch.device("cpu")
 PROMPT = [1, 504, 3458, 282, 4649, 314, 8241, 30, 2]
@@ -42,9 +42,10 @@ def fp8(tiny_llama_hf, tmp_path_factory) -> dict[str, Path]:
         "b128": write_fp8(tiny_llama_hf, d / "b128", (128, 128)),
         "b32x64": write_fp8(tiny_llama_hf, d / "b32x64", (32, 64)),
         "tensor": write_fp8(tiny_llama_hf, d / "tensor", None),
-        "qwen3-moe": write_fp8(
-            d / "qwen3-moe", d / "qwen3-moe-fp8", (32, 32)
-        ),  # every expert FP8, the router not
+        # every expert FP8, the router not
+        "qwen3-moe": write_fp8(d / "qwen3-moe", d / "qwen3-moe-fp8", (32, 32)),
+        # compressed-tensors, as llm-compressor writes its presets
+        **{p: write_compressed_fp8(tiny_llama_hf, d / p, p) for p in ("FP8", "FP8_DYNAMIC", "FP8_BLOCK")},
     }
 
 
@@ -66,12 +67,12 @@ def test_inspect_shows_the_scheme_and_both_backends_plans(fp8):
     assert "keep them in FP8 (1 byte a weight), each matmul decoding them" in out, out
 
 
-@pytest.mark.parametrize("kind", ["b128", "b32x64", "tensor", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["b128", "b32x64", "tensor", "qwen3-moe", "FP8", "FP8_DYNAMIC", "FP8_BLOCK"])
 def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     """transformers reads the FP8 checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle
     for which scale covers which weight. Ours keeps the file's FP8 bytes and decodes them in each matmul."""
     model = load_model(detect(fp8[kind]), dtype=torch.float32, device=CPU)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(fp8[kind], dtype=torch.float32).eval()
+    ref = _transformers(fp8[kind])
     ids = torch.tensor([[t % 256 for t in PROMPT]])  # in the tiny Qwen3-MoE's vocab too
     with torch.no_grad():
         want = ref(ids).logits[0]
@@ -82,6 +83,29 @@ def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     shipped = load_file(fp8[kind] / "model.safetensors")
     assert isinstance(q, Fp8Linear) and q.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(q.weight.view(torch.uint8), shipped[down + ".weight"].view(torch.uint8))
+
+
+def _transformers(path: Path):
+    """transformers on the checkpoint, its weights dequantized at load (compressed-tensors: decompressed, with no
+    activation quantization left on)."""
+    extra = {}
+    if (
+        json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "compressed-tensors"
+    ):
+        extra["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
+
+
+def test_compressed_tensors_fp8_presets_are_read_as_llm_compressor_writes_them(fp8):
+    assert {p: detect(fp8[p]).scheme.summary() for p in ("FP8", "FP8_DYNAMIC", "FP8_BLOCK")} == {
+        "FP8": "compressed-tensors FP8 e4m3 (one scale per tensor, static activations)",
+        "FP8_DYNAMIC": "compressed-tensors FP8 e4m3 (one scale per output channel, dynamic activations)",
+        "FP8_BLOCK": "compressed-tensors FP8 e4m3 (128×128 block scales, dynamic activations)",
+    }
+    assert detect(fp8["FP8_DYNAMIC"]).format == "compressed-tensors-fp8"
+    out = CliRunner().invoke(main, ["inspect", str(fp8["FP8_BLOCK"])]).output
+    assert "q_proj: F8_E4M3" in out and "granularity=block" in out
 
 
 def _damaged(src: Path, dst: Path, edit) -> Path:
@@ -101,17 +125,17 @@ DAMAGES = {
     "a scale grid of the wrong shape": (
         lambda t, qc: t.update({f"{Q}.weight_scale_inv": torch.ones(3, 4)}),
         ModelFileError,
-        [f"{Q}", "weight_scale_inv [3, 4]", "blocks of [32, 64] needs [4, 2]"],
+        [f"{Q}", "weight_scale_inv [3, 4]", "weight_scale_inv [3, 4]; [128, 128] needs [4, 2]"],
     ),
     "a block size that contradicts the scales": (
         lambda t, qc: qc.update(weight_block_size=[64, 64]),
         ModelFileError,
-        ["weight_block_size [64, 64]", "[128, 256] in blocks of [64, 64] needs [2, 4]"],
+        ["weight_block_size [64, 64]", "[128, 256] needs [2, 4]"],
     ),
     "e5m2 weights where the config says e4m3": (
         lambda t, qc: t.update({f"{Q}.weight": t[f"{Q}.weight"].float().to(torch.float8_e5m2)}),
         ModelFileError,
-        ["fmt e4m3", "F8_E5M2"],
+        ["says e4m3 FP8", "stores F8_E5M2 weights"],
     ),
     "an FP8 weight without its scale": (
         lambda t, qc: t.pop(f"{Q}.weight_scale_inv"),
@@ -178,7 +202,7 @@ def test_dequantization_is_exactly_what_transformers_computes(fp8, tmp_path):
     to, bit for bit."""
     from quantserve.quant.dequantize import dequantize_checkpoint
 
-    ref = transformers.AutoModelForCausalLM.from_pretrained(fp8["b32x64"], dtype=torch.float32).state_dict()
+    ref = _transformers(fp8["b32x64"]).state_dict()
     dense = load_file(dequantize_checkpoint(fp8["b32x64"], tmp_path / "dense") / "model.safetensors")
     assert {n for n in dense if n.endswith("_proj.weight")} == {n for n in ref if n.endswith("_proj.weight")}
     for name, t in dense.items():
@@ -196,3 +220,26 @@ def test_convert_writes_a_gguf_from_fp8(fp8, tmp_path):
     assert meta["general.file_type"] == 7  # MOSTLY_Q8_0
     assert meta["general.name"] == "B32X64"  # the source's name, not the dense copy's
     assert not list(tmp_path.glob(".quantserve-dequant-*"))  # the dense copy beside it is gone
+
+
+def test_a_compressed_fp8_layout_we_do_not_read_is_named(fp8, tmp_path):
+    def edit(t, qc):
+        qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor_group"
+
+    bad = _damaged(fp8["FP8_DYNAMIC"], tmp_path / "bad", edit)
+    with pytest.raises(UnsupportedFormatError, match="compressed-tensors FP8 weight strategy 'tensor_group'"):
+        detect(bad)
+    shape = _damaged(
+        fp8["FP8_DYNAMIC"], tmp_path / "shape", lambda t, qc: t.update({f"{Q}.weight_scale": torch.ones(128)})
+    )
+    detect(shape)  # [N] for [N, 1]: one scale per row all the same
+    short = _damaged(
+        fp8["FP8_DYNAMIC"],
+        tmp_path / "short",
+        lambda t, qc: t.update({f"{Q}.weight_scale": torch.ones(64, 1)}),
+    )
+    with pytest.raises(
+        ModelFileError,
+        match=r"one scale per output channel but .* weight_scale \[64, 1\]; \[128, 128\] needs \[128, 1\]",
+    ):
+        detect(short)

@@ -53,7 +53,7 @@ class TorchBackend:
         quant = settings.quant
         device, dtype = pick_device_dtype(spec.config or {})
         where = f"on {device.type} in {str(dtype).removeprefix('torch.')}"
-        if spec.format == "fp8":
+        if _is_fp8(spec):
             weights = (
                 f"read the {spec.scheme.summary()} weights and keep them in FP8 (1 byte a weight), each matmul "
                 f"decoding them to {str(dtype).removeprefix('torch.')} (W8A16: activations are not quantized)"
@@ -279,3 +279,9 @@ def _window_step(spec: ModelSpec) -> str | None:
         f"attend within {max(local)} tokens in {len(local)} of {len(windows)} layers (exact masks); their KV is "
         "kept for the whole context, since every layer shares one block table, so the windows save no KV memory"
     )
+
+
+def _is_fp8(spec: ModelSpec) -> bool:
+    from quantserve.formats.schemes.fp8 import FP8
+
+    return isinstance(spec.scheme, FP8)

@@ -87,11 +87,11 @@ def schemes() -> dict[str, type[QuantScheme]]:
     """Every scheme by format name, each module imported on the first call."""
     from quantserve.formats.schemes.awq import AWQ
     from quantserve.formats.schemes.compressed_tensors import CompressedTensors
-    from quantserve.formats.schemes.fp8 import FP8
+    from quantserve.formats.schemes.fp8 import FP8, CompressedFP8
     from quantserve.formats.schemes.gptq import GPTQ
     from quantserve.formats.schemes.marlin import Marlin
 
-    return {cls.name: cls for cls in (AWQ, CompressedTensors, FP8, GPTQ, Marlin)}
+    return {cls.name: cls for cls in (AWQ, CompressedTensors, CompressedFP8, FP8, GPTQ, Marlin)}
 
 
 def writable_schemes() -> list[str]:

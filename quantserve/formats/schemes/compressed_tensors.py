@@ -1,6 +1,6 @@
 """compressed-tensors pack-quantized (llm-compressor's W4A16 and kin): int weights packed along K into int32,
 one scheme per `config_groups` entry chosen by its targets (docs/quantized-checkpoints.md,
-"compressed-tensors")."""
+"compressed-tensors"). Its float-quantized FP8 is schemes/fp8.py's CompressedFP8."""
 
 from __future__ import annotations
 
@@ -77,6 +77,10 @@ class CompressedTensors(QuantScheme):
         first = entries[0]
         w = first["weights"]
         fmt = str(first.get("format") or qc.get("format") or "")
+        if fmt == "float-quantized":  # FP8 weights: llm-compressor's FP8, FP8_DYNAMIC, FP8_BLOCK
+            from quantserve.formats.schemes.fp8 import CompressedFP8
+
+            return CompressedFP8.from_groups(entries, where)
         if fmt != "pack-quantized" or w.get("type", "int") != "int":
             raise UnsupportedFormatError(
                 f"{where}: compressed-tensors format '{fmt}' with {w.get('type', 'int')} weights is not supported "
