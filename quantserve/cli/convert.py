@@ -33,7 +33,8 @@ def _size(path: Path) -> str:
               "q2_k_s q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k (q4k = q4_k_m), the i-quants iq4_xs iq4_nl "
               "iq3_m iq3_s iq3_xs iq3_xxs iq2_m iq2_s iq2_xs iq2_xxs iq1_m iq1_s (all but iq4_*, iq3_m and iq3_s "
               "need --calib or --imatrix); or -> a quantized HF "
-              "directory: gptq, awq, awq-gptq (AWQ's scales, then GPTQ's rounding) or rtn.")  # fmt: skip
+              "directory: gptq, awq, awq-gptq (AWQ's scales, then GPTQ's rounding), rtn, or fp8 (per-channel "
+              "FP8 weights in compressed-tensors' format, as llm-compressor's FP8_DYNAMIC; no calibration).")  # fmt: skip
 @click.option("--format", "fmt", type=click.Choice(writable_schemes()), default=None,
               help="Quantized HF output format [default: gptq for --quant gptq/rtn, awq for awq]. With a "
               "GPTQ/AWQ/compressed-tensors/Marlin --src and no --quant: repack losslessly.")  # fmt: skip
@@ -147,6 +148,20 @@ def convert(src: Path, dst: Path, quant: str | None, fmt: str | None, bits: str,
         _fail_if(mmproj_type and not llava, "--mmproj-type applies to LLaVA checkpoints (HF -> GGUF) only")
         _fail_if(quantize_deltanet and quant not in QUANT_METHODS,
                  f"--quantize-deltanet applies to --quant {'|'.join(QUANT_METHODS)}")  # fmt: skip
+        if quant == "fp8":
+            _fail_if(fmt or calib or calib_dataset or imatrix or dtype or bits_budget or act_order or sym is not None
+                     or bits != "4" or group_size != 128, "--quant fp8 takes no other quantization options: one "
+                     "scale per output channel, no calibration")  # fmt: skip
+            require_torch("--quant fp8")
+            from quantserve.converters.fp8 import quantize_fp8_checkpoint
+
+            out = quantize_fp8_checkpoint(src, dst, force=force)
+            click.echo(f"wrote {out} ({_size(out)}): FP8 weights, compressed-tensors float-quantized")
+            if check:
+                click.echo(_check(src, dst, check_text, threads))
+            elif summary:
+                click.echo(_summary(src, dst, threads))
+            return
         if quant in QUANT_METHODS or (fmt and not quant) or calib or calib_dataset:
             require_torch(f"--quant {quant}" if quant in QUANT_METHODS else "--format" if fmt else "--calib")
         if quant in QUANT_METHODS or (fmt and not quant):

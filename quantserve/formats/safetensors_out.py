@@ -17,13 +17,13 @@ from typing import IO
 import numpy as np
 
 SHARD_BYTES = 2 * 10**9  # start a new shard beyond this, like transformers' max_shard_size="2GB"
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1}
 
 
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    dtype: str  # safetensors spelling: "BF16", "F16", "F32"
+    dtype: str  # safetensors spelling: "BF16", "F16", "F32", "F8_E4M3"
     shape: tuple[int, ...]  # numpy order ([out, in] for a linear weight)
 
     @property

@@ -243,3 +243,33 @@ def test_a_compressed_fp8_layout_we_do_not_read_is_named(fp8, tmp_path):
         match=r"one scale per output channel but .* weight_scale \[64, 1\]; \[128, 128\] needs \[128, 1\]",
     ):
         detect(short)
+
+
+def test_convert_quant_fp8_writes_what_compressed_tensors_writes(fp8, tiny_llama_hf, tmp_path):
+    """`convert --quant fp8` equals compressed-tensors' own FP8_DYNAMIC output tensor for tensor (the same min/max
+    scales, the same rounding), and transformers with compressed-tensors loads it: logits equal ours."""
+    out = tmp_path / "fp8"
+    r = CliRunner().invoke(
+        main, ["convert", "--src", str(tiny_llama_hf), "--dst", str(out), "--quant", "fp8"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "FP8 weights, compressed-tensors float-quantized" in r.output
+    assert (
+        "quality: " in r.output and "torch (cpu" in r.output
+    )  # the summary line, scored by the torch backend
+    ours, theirs = load_file(out / "model.safetensors"), load_file(fp8["FP8_DYNAMIC"] / "model.safetensors")
+    assert set(ours) == set(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(
+            ours[name].view(torch.uint8), t.view(torch.uint8)
+        ), name
+    config = [
+        json.loads((d / "config.json").read_text())["quantization_config"] for d in (out, fp8["FP8_DYNAMIC"])
+    ]
+    assert config[0] == config[1]  # "ignore": ["lm_head"], though it is tied to the embeddings here
+    model = load_model(detect(out), dtype=torch.float32, device=CPU)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = _transformers(out)(ids).logits[0]
+        got = model.compute_logits(model(ids)[0])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
