@@ -269,7 +269,10 @@ def repack_checkpoint(src: Path, dst: Path, fmt: str, *, force: bool = False) ->
             "Marlin). To quantize a dense one pass --quant gptq|awq|rtn"
         )
     if fmt not in spec.scheme.repack_targets():
-        why = target.cannot_hold(*spec.scheme.weights())
+        why = target.cannot_hold(*spec.scheme.weights()) or (
+            "its weights are floating point, which no integer layout holds; serve it as it is, or convert it to "
+            "GGUF with --quant q8_0"
+        )
         raise ConfigError(
             f"{src} ({spec.scheme.summary()}) cannot be written as {fmt}: {why}", param="format"
         )

@@ -273,3 +273,13 @@ def test_convert_quant_fp8_writes_what_compressed_tensors_writes(fp8, tiny_llama
         want = _transformers(out)(ids).logits[0]
         got = model.compute_logits(model(ids)[0])
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
+
+
+def test_an_fp8_checkpoint_is_not_repacked_to_an_integer_layout(fp8, tmp_path):
+    r = CliRunner().invoke(
+        main, ["convert", "--src", str(fp8["b128"]), "--dst", str(tmp_path / "x"), "--format", "gptq"]
+    )
+    assert r.exit_code == 2 and "cannot be written as gptq: its weights are floating point" in r.output, (
+        r.output
+    )
+    assert not (tmp_path / "x").exists()
