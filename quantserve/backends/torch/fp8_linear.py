@@ -1,9 +1,9 @@
 """Fp8Linear: an nn.Linear stand-in whose weight stays FP8 (e4m3) in memory, one byte a weight plus its scales.
 
-Each call decodes the weight to the activations' dtype and multiplies (W8A16): exact in fp32, one rounding in
-bf16/fp16, on any device. This is the portable path; it moves the decoded matrix through memory, so on a GPU it is
-correct but not yet fast (docs/quantized-checkpoints.md, "FP8"). The checkpoint's activation scheme (dynamic or
-static FP8 activations) is not applied: activations stay in the model's dtype.
+W8A16: the activations stay in the model's dtype (the checkpoint's dynamic or static FP8 activations are not
+applied). On CUDA, kernels/fp8.py's Triton GEMM decodes the weight tile by tile in registers; elsewhere each call
+decodes the whole weight to the activations' dtype and multiplies (exact in fp32, one rounding in bf16/fp16): the
+portable path, slow but correct (docs/quantized-checkpoints.md, "FP8").
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from quantserve.kernels import fp8
 from quantserve.kernels.fp8 import Fp8Weight
 
 
@@ -25,12 +26,18 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", w.weight.to(device), persistent=False)
         self.register_buffer("scale", w.scale.to(device, torch.float32), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        self.use_kernel = fp8.can_run(
+            torch.device(device)
+        )  # CUDA (or the CPU under TRITON_INTERPRET=1, tests)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] decoded to `dtype` (computed in fp32)."""
         return Fp8Weight(self.weight, self.scale, self.block).dense(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            w = Fp8Weight(self.weight, self.scale, self.block)
+            return fp8.fp8_linear(x.reshape(-1, self.in_features), w, self.bias).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.dense(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
