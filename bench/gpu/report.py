@@ -51,6 +51,8 @@ def render(results: dict) -> str:
         lines += ["", "## MoE layer (grouped W4A16)", "", r.get("markdown", "no table")]
     if r := steps.get("oss-moe", {}).get("result"):
         lines += ["", "## gpt-oss MoE layer (grouped MXFP4)", "", r.get("markdown", "no table")]
+    if r := steps.get("fp8-gemm", {}).get("result"):
+        lines += ["", "## FP8 linears (W8A16)", "", r.get("markdown", "no table")]
     if r := steps.get("moe-decode", {}).get("result"):
         lines += ["", "## MoE decode", "", *_decode(r)]
     if (r := steps.get("gemm-sweep", {}).get("result")) and r.get("rows"):

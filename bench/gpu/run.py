@@ -40,6 +40,7 @@ CUDA_TESTS = [
     "tests/kernels/test_moe_kernel.py",
     "tests/backends/torch/test_cuda_moe.py",
     "tests/backends/torch/test_cuda_families.py",
+    "tests/kernels/test_fp8_kernel.py",
 ]
 
 
@@ -74,6 +75,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
     gemma_decode = decode + ["--shape", "gemma3-12b"]
     deltanet = [py, str(ROOT / "bench/deltanet_kernels.py"), "--out", str(out / "deltanet.json")]
     oss_moe = [py, str(ROOT / "bench/mxfp4_moe.py"), "--out", str(out / "oss-moe.json")]
+    fp8_gemm = [py, str(ROOT / "bench/fp8_gemm.py"), "--out", str(out / "fp8-gemm.json")]
     tp = Step("tp-nccl", [py, str(ROOT / "bench/gpu/tp_nccl.py"), "--out", str(out / "tp-nccl.json")], 90,
               "tp-nccl.json")  # fmt: skip
     env = Step("env", [py, str(ROOT / "bench/gpu/env_info.py"), str(out / "env.json")], 30, "env.json")
@@ -116,6 +118,7 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
             ),  # fmt: skip
             Step("deltanet", deltanet + ["--cpu-smoke"], 120, "deltanet.json"),
             Step("oss-moe", oss_moe + ["--cpu-smoke"], 120, "oss-moe.json"),
+            Step("fp8-gemm", fp8_gemm + ["--cpu-smoke"], 60, "fp8-gemm.json"),
             tp,
         ]
     # The numbers first: a step that overruns only cuts what comes after it.
@@ -137,6 +140,8 @@ def steps(args: argparse.Namespace, out: Path) -> list[Step]:
         Step("moe-layer", moe + ["--out", str(out / "moe-layer.json")], 90, "moe-layer.json"),
         # gpt-oss: one gpt-oss-20b MoE layer, its MXFP4 experts grouped against the loop and the bf16 peers
         Step("oss-moe", oss_moe, 90, "oss-moe.json"),
+        # FP8 checkpoints: our W8A16 kernel at Llama-3-8B's shapes against cuBLAS bf16 and torch._scaled_mm
+        Step("fp8-gemm", fp8_gemm, 60, "fp8-gemm.json"),
         Step(
             "moe-decode",
             moe_decode + ["--layers", "12", "--batches", "1,16,64", "--out", str(out / "moe-decode.json")],
