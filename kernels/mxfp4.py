@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,6 +71,29 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (idx | ((x < 0) & (idx > 0)).long() << 3).to(torch.uint8)  # no negative zero
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.reshape(*lead, k // BLOCK, BLOCK // 2), scales
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """One linear's MXFP4 weight W [N, K], laid out as above (compressed-tensors' `mxfp4-pack-quantized` stores the
+    same bytes as `weight_packed` [N, K/2] and `weight_scale` [N, K/32])."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    bits = 4
+
+    @property
+    def N(self) -> int:  # noqa: N802 - GEMM letters
+        return self.blocks.shape[0]
+
+    @property
+    def K(self) -> int:  # noqa: N802
+        return self.blocks.shape[1] * BLOCK
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[K, N], the orientation QuantizedWeight.dequantize returns (exact in fp32 and bf16)."""
+        return dequantize(self.blocks, self.scales, dtype).t()
 
 
 def mxfp4_linear_ref(

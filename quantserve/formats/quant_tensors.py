@@ -20,6 +20,7 @@ from quantserve.errors import ModelFileError, UnsupportedFormatError
 from quantserve.kernels import grouping
 from quantserve.kernels.fp8 import Fp8Weight
 from quantserve.kernels.grouping import SUPPORTED_BITS
+from quantserve.kernels.mxfp4 import Mxfp4Weight
 from quantserve.kernels.packing import pack, packed_len, unpack
 from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
 
@@ -388,6 +389,25 @@ def decode_fp8(prefix: str, get: Get, lq: LayerQuant) -> Fp8Weight:
     return Fp8Weight(w, s.float().reshape(grid), block, None if input_scale is None else input_scale.float())
 
 
+def decode_mxfp4(prefix: str, get: Get, lq: LayerQuant) -> Mxfp4Weight:
+    """compressed-tensors MXFP4: `weight_packed` uint8 [N, K/2] and `weight_scale` uint8 [N, K/32], gpt-oss's bytes
+    (kernels/mxfp4.py) one row at a time."""
+    packed, scale = _need(get, prefix, "weight_packed"), _need(get, prefix, "weight_scale")
+    n, half = packed.shape
+    if (
+        packed.dtype != torch.uint8
+        or scale.dtype != torch.uint8
+        or half % 16
+        or tuple(scale.shape) != (n, half // 16)
+    ):
+        raise _error(
+            f"{prefix}.weight_packed",
+            f"{packed.dtype} {list(packed.shape)} with weight_scale {scale.dtype} {list(scale.shape)} is not MXFP4 "
+            "(uint8 [N, K/2] and uint8 [N, K/32])",
+        )
+    return Mxfp4Weight(packed.reshape(n, half // 16, 16), scale)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A per-linear tensor layout (a scheme's `layout()`): the tensor that marks a quantized linear, all tensors
@@ -395,4 +415,4 @@ class Layout:
 
     marker: str
     suffixes: tuple[str, ...]
-    decode: Callable[[str, Get, LayerQuant], QuantizedWeight | Fp8Weight]
+    decode: Callable[[str, Get, LayerQuant], QuantizedWeight | Fp8Weight | Mxfp4Weight]

@@ -126,6 +126,8 @@ _AUXILIARY = {
 
 def _quant_label(spec: ModelSpec, bits: int, group: int) -> str:
     assert spec.scheme is not None
+    if spec.scheme.float_weights:
+        return spec.scheme.label
     return f"{spec.scheme.label} int{bits} {'per-channel' if group == -1 else f'g{group}'}"
 
 

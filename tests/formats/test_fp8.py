@@ -14,13 +14,13 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from quantserve.backends.torch.fp8_linear import Fp8Linear
+from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear
 from quantserve.backends.torch.weights import load_model
 from quantserve.cli import main
 from quantserve.errors import ModelFileError, UnsupportedFormatError
 from quantserve.formats import detect
 from tests.backends.torch.test_torch_engine import greedy_chat
-from tests.fixtures.fp8 import write_compressed_fp8, write_fp8
+from tests.fixtures.fp8 import write_compressed, write_fp8
 
 CPU = torch.device("cpu")
 PROMPT = [1, 504, 3458, 282, 4649, 314, 8241, 30, 2]
@@ -45,7 +45,10 @@ def fp8(tiny_llama_hf, tmp_path_factory) -> dict[str, Path]:
         # every expert FP8, the router not
         "qwen3-moe": write_fp8(d / "qwen3-moe", d / "qwen3-moe-fp8", (32, 32)),
         # compressed-tensors, as llm-compressor writes its presets
-        **{p: write_compressed_fp8(tiny_llama_hf, d / p, p) for p in ("FP8", "FP8_DYNAMIC", "FP8_BLOCK")},
+        **{
+            p: write_compressed(tiny_llama_hf, d / p, p)
+            for p in ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16")
+        },
     }
 
 
@@ -64,10 +67,12 @@ def test_inspect_shows_the_scheme_and_both_backends_plans(fp8):
     assert "dequantize the FP8 e4m3 (32×64 block scales, dynamic activations) weights exactly to fp32" in out
     assert "convert to GGUF q8_0" in out
     out = CliRunner().invoke(main, ["inspect", str(fp8["b32x64"]), "--backend", "torch"]).output
-    assert "keep them in FP8 (1 byte a weight), each matmul decoding them" in out, out
+    assert "keep them as they ship (1 byte a weight), each matmul decoding them" in out, out
 
 
-@pytest.mark.parametrize("kind", ["b128", "b32x64", "tensor", "qwen3-moe", "FP8", "FP8_DYNAMIC", "FP8_BLOCK"])
+@pytest.mark.parametrize(
+    "kind", ["b128", "b32x64", "tensor", "qwen3-moe", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"]
+)
 def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     """transformers reads the FP8 checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle
     for which scale covers which weight. Ours keeps the file's FP8 bytes and decodes them in each matmul."""
@@ -81,6 +86,12 @@ def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     down = "model.layers.1.mlp." + ("experts.3.down_proj" if kind == "qwen3-moe" else "down_proj")
     q = model.get_submodule(down)
     shipped = load_file(fp8[kind] / "model.safetensors")
+    if kind == "MXFP4A16":  # the shipped bytes: two e2m1 codes a byte, a scale per 32
+        assert isinstance(q, Mxfp4Linear) and torch.equal(
+            q.blocks.flatten(1), shipped[down + ".weight_packed"]
+        )
+        assert torch.equal(q.scales, shipped[down + ".weight_scale"])
+        return
     assert isinstance(q, Fp8Linear) and q.weight.dtype == torch.float8_e4m3fn
     assert torch.equal(q.weight.view(torch.uint8), shipped[down + ".weight"].view(torch.uint8))
 
@@ -97,13 +108,21 @@ def _transformers(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
 
 
-def test_compressed_tensors_fp8_presets_are_read_as_llm_compressor_writes_them(fp8):
+def test_compressed_tensors_presets_are_read_as_llm_compressor_writes_them(fp8):
     assert {p: detect(fp8[p]).scheme.summary() for p in ("FP8", "FP8_DYNAMIC", "FP8_BLOCK")} == {
         "FP8": "compressed-tensors FP8 e4m3 (one scale per tensor, static activations)",
         "FP8_DYNAMIC": "compressed-tensors FP8 e4m3 (one scale per output channel, dynamic activations)",
         "FP8_BLOCK": "compressed-tensors FP8 e4m3 (128×128 block scales, dynamic activations)",
     }
     assert detect(fp8["FP8_DYNAMIC"]).format == "compressed-tensors-fp8"
+    mx = detect(fp8["MXFP4A16"])
+    assert mx.format == "compressed-tensors-mxfp4" and mx.scheme.summary() == (
+        "compressed-tensors MXFP4 (e2m1 weights, a power-of-two scale per 32, weight-only)"
+    )
+    out = CliRunner().invoke(main, ["inspect", str(fp8["MXFP4A16"]), "--backend", "torch"]).output
+    assert (
+        "q_proj: compressed-tensors MXFP4" in out and "keep them as they ship (4.25 bits a weight)" in out
+    ), out
     out = CliRunner().invoke(main, ["inspect", str(fp8["FP8_BLOCK"])]).output
     assert "q_proj: F8_E4M3" in out and "granularity=block" in out
 
@@ -197,28 +216,30 @@ def test_smollm2_fp8_answers_on_both_backends_with_the_same_tokens(smollm2_fp8):
     assert replies["torch"] == replies["llamacpp"], replies
 
 
-def test_dequantization_is_exactly_what_transformers_computes(fp8, tmp_path):
+@pytest.mark.parametrize("kind", ["b32x64", "FP8_BLOCK", "MXFP4A16"])
+def test_dequantization_is_exactly_what_transformers_computes(kind, fp8, tmp_path):
     """What llama.cpp is given (and `convert` writes from): the weights transformers dequantizes the checkpoint
     to, bit for bit."""
     from quantserve.quant.dequantize import dequantize_checkpoint
 
-    ref = _transformers(fp8["b32x64"]).state_dict()
-    dense = load_file(dequantize_checkpoint(fp8["b32x64"], tmp_path / "dense") / "model.safetensors")
+    ref = _transformers(fp8[kind]).state_dict()
+    dense = load_file(dequantize_checkpoint(fp8[kind], tmp_path / "dense") / "model.safetensors")
     assert {n for n in dense if n.endswith("_proj.weight")} == {n for n in ref if n.endswith("_proj.weight")}
     for name, t in dense.items():
         assert torch.equal(t, ref[name]), name
 
 
-def test_convert_writes_a_gguf_from_fp8(fp8, tmp_path):
+@pytest.mark.parametrize("kind", ["b32x64", "MXFP4A16"])
+def test_convert_writes_a_gguf_from_fp8_and_mxfp4(kind, fp8, tmp_path):
     from quantserve.formats import read_gguf_info
 
     out = tmp_path / "tiny.gguf"
-    args = ["convert", "--src", str(fp8["b32x64"]), "--dst", str(out), "--quant", "q8_0", "--no-summary"]
+    args = ["convert", "--src", str(fp8[kind]), "--dst", str(out), "--quant", "q8_0", "--no-summary"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     meta = read_gguf_info(out).metadata
     assert meta["general.file_type"] == 7  # MOSTLY_Q8_0
-    assert meta["general.name"] == "B32X64"  # the source's name, not the dense copy's
+    assert meta["general.name"] == kind.upper()  # the source's name, not the dense copy's
     assert not list(tmp_path.glob(".quantserve-dequant-*"))  # the dense copy beside it is gone
 
 

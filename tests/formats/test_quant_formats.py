@@ -669,13 +669,14 @@ def test_dense_checkpoint_opens_with_no_quantized_linears(tmp_path):
 
 
 def test_every_scheme_has_one_writer_and_each_states_what_it_can_be_repacked_to(tmp_path):
-    """The scheme registry's writable formats and the writer registry (converters.hf_quant) are the same, FP8 is
-    read only, and a scheme's repack targets are what the writers then accept."""
+    """The scheme registry's writable formats and the writer registry (converters.hf_quant) are the same, the float
+    schemes (FP8, MXFP4) are read only, and a scheme's repack targets are what the writers then accept."""
     from quantserve.converters.calibration.quantize import repack_checkpoint
     from quantserve.converters.hf_quant import writers
     from quantserve.formats.schemes import writable_schemes
 
-    assert set(writers()) == set(writable_schemes()) == set(schemes()) - {"fp8", "compressed-tensors-fp8"}
+    floats = {name for name, cls in schemes().items() if cls.float_weights}
+    assert set(writers()) == set(writable_schemes()) == set(schemes()) - floats
     sym8 = detect(write(tmp_path / "a", "gptq", {Q: qw(bits=8, group=32)})).scheme
     assert set(sym8.repack_targets()) == {"compressed-tensors", "gptq", "marlin"}
     act4 = detect(write(tmp_path / "b", "gptq", {Q: qw(act=True)})).scheme

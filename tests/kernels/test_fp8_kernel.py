@@ -109,3 +109,21 @@ def test_cuda_gemm_equals_dequantize_then_matmul(m, dtype, monkeypatch):
     got = fp8.fp8_linear(x.cuda(), cuda, bias.cuda()).cpu().double()
     want = x.double() @ w.dense(torch.float64).T + bias.double()
     assert (got - want).abs().mean() / want.abs().mean() < 1e-2  # the activations' dtype rounds the output
+
+
+def test_mxfp4_linear_runs_the_kernel_where_it_can_and_both_paths_agree(monkeypatch):
+    """A dense MXFP4 linear (compressed-tensors' MXFP4A16) through kernels/mxfp4.py's GEMM, gpt-oss's experts' one."""
+    from quantserve.backends.torch.fp8_linear import Mxfp4Linear
+    from quantserve.kernels import mxfp4
+
+    blocks, scales = mxfp4.quantize(torch.randn(96, 128, generator=torch.Generator().manual_seed(3)))
+    w, bias = mxfp4.Mxfp4Weight(blocks, scales), torch.randn(96)
+    x = torch.randn(2, 3, 128)
+    kernel = Mxfp4Linear(w, bias, dtype=torch.float32, device=torch.device("cpu"), name="t")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    portable = Mxfp4Linear(w, bias, dtype=torch.float32, device=torch.device("cpu"), name="t")
+    assert kernel.use_kernel and not portable.use_kernel
+    want = torch.nn.functional.linear(x.double(), w.dequantize(torch.float64).T, bias.double())
+    for layer in (kernel, portable):
+        got = layer(x)
+        assert got.shape == (2, 3, 96) and (got.double() - want).abs().max() < 1e-4 * want.abs().max()

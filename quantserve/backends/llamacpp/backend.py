@@ -21,11 +21,9 @@ log = logging.getLogger("quantserve")
 
 
 def _dequant_dtype(spec: ModelSpec) -> str:
-    """fp32 for FP8, whose weights times their fp32 scales fp16 cannot always hold (so the conversion starts from
-    exactly the checkpoint's weights, as llama.cpp's converter does); fp16 for the integer schemes."""
-    from quantserve.formats.schemes.fp8 import FP8
-
-    return "float32" if isinstance(spec.scheme, FP8) else "float16"
+    """fp32 for FP8 and MXFP4, whose weights times their scales fp16 cannot always hold (so the conversion starts
+    from exactly the checkpoint's weights, as llama.cpp's converter does); fp16 for the integer schemes."""
+    return "float32" if spec.scheme is not None and spec.scheme.float_weights else "float16"
 
 
 def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:

@@ -53,14 +53,15 @@ class TorchBackend:
         quant = settings.quant
         device, dtype = pick_device_dtype(spec.config or {})
         where = f"on {device.type} in {str(dtype).removeprefix('torch.')}"
-        if _is_fp8(spec):
+        if spec.scheme is not None and spec.scheme.float_weights:
+            size = "1 byte" if spec.scheme.bits == 8 else "4.25 bits"
             weights = (
-                f"read the {spec.scheme.summary()} weights and keep them in FP8 (1 byte a weight), each matmul "
-                f"decoding them to {str(dtype).removeprefix('torch.')} (W8A16: activations are not quantized)"
+                f"read the {spec.scheme.summary()} weights and keep them as they ship ({size} a weight), each "
+                f"matmul decoding them to {str(dtype).removeprefix('torch.')} (activations are not quantized)"
             )
             if settings.torch.tensor_parallel_size > 1:
                 raise ConfigError(
-                    f"{spec.path} is FP8, which the torch backend serves on one device for now; drop "
+                    f"{spec.path} is {spec.scheme.label}, which the torch backend serves on one device for now; drop "
                     "--tensor-parallel-size, or serve it with --backend llamacpp",
                     param="tensor_parallel_size",
                 )
@@ -279,9 +280,3 @@ def _window_step(spec: ModelSpec) -> str | None:
         f"attend within {max(local)} tokens in {len(local)} of {len(windows)} layers (exact masks); their KV is "
         "kept for the whole context, since every layer shares one block table, so the windows save no KV memory"
     )
-
-
-def _is_fp8(spec: ModelSpec) -> bool:
-    from quantserve.formats.schemes.fp8 import FP8
-
-    return isinstance(spec.scheme, FP8)

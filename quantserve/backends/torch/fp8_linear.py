@@ -1,4 +1,5 @@
-"""Fp8Linear: an nn.Linear stand-in whose weight stays FP8 (e4m3) in memory, one byte a weight plus its scales.
+"""Fp8Linear: an nn.Linear stand-in whose weight stays FP8 (e4m3) in memory, one byte a weight plus its scales;
+Mxfp4Linear, the same for MXFP4.
 
 W8A16: the activations stay in the model's dtype (the checkpoint's dynamic or static FP8 activations are not
 applied). On CUDA, kernels/fp8.py's Triton GEMM decodes the weight tile by tile in registers; elsewhere each call
@@ -12,8 +13,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from quantserve.kernels import fp8
+from quantserve.kernels import fp8, mxfp4
 from quantserve.kernels.fp8 import Fp8Weight
+from quantserve.kernels.mxfp4 import Mxfp4Weight
 
 
 class Fp8Linear(nn.Module):
@@ -44,3 +46,30 @@ class Fp8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, block={self.block}"
         )
+
+
+class Mxfp4Linear(nn.Module):
+    """An nn.Linear stand-in whose weight stays MXFP4 (4.25 bits a weight): kernels/mxfp4.py's Triton GEMM on CUDA
+    (the one gpt-oss's experts run), elsewhere the weight decoded to the activations' dtype first (exact in fp32
+    and bf16)."""
+
+    def __init__(self, w: Mxfp4Weight, bias: torch.Tensor | None, *, dtype: torch.dtype, device: torch.device,
+                 name: str):  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = w.K, w.N
+        self.name = name
+        self.register_buffer("blocks", w.blocks.to(device), persistent=False)
+        self.register_buffer("scales", w.scales.to(device), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        self.use_kernel = mxfp4.can_run(torch.device(device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        if self.use_kernel:
+            out = mxfp4.mxfp4_linear(flat, self.blocks, self.scales, self.bias)
+        else:
+            out = mxfp4.mxfp4_linear_ref(flat, self.blocks, self.scales, self.bias)
+        return out.reshape(*x.shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"

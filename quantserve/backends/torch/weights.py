@@ -213,11 +213,11 @@ def load_model(
             param="quant",
         )
     if spec.scheme is not None:
-        from quantserve.backends.torch.fp8_linear import Fp8Linear
+        from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear
         from quantserve.backends.torch.quant_linear import QuantLinear
         from quantserve.formats.quant_read import open_quantized
-        from quantserve.formats.schemes.fp8 import FP8
         from quantserve.kernels.fp8 import Fp8Weight
+        from quantserve.kernels.mxfp4 import Mxfp4Weight
 
         with open_quantized(spec) as ckpt:
             prefixes = {name(p): p for p in ckpt.linear_prefixes()}  # ours -> the checkpoint's
@@ -239,18 +239,19 @@ def load_model(
                     "tower and projector in full precision only. Quantize the language model alone."
                 )
             model = _empty_model(args, dtype, device, drop=list(prefixes), vocab_rows=vocab_rows)
-            fp8 = isinstance(spec.scheme, FP8)
-            if fp8 and shards is not None:
+            floats = spec.scheme.float_weights  # FP8, MXFP4: kept as they ship, decoded in the matmul
+            if floats and shards is not None:
                 raise ConfigError(
-                    f"{spec.path} is FP8, which the torch backend serves on one device for now; drop "
+                    f"{spec.path} is {spec.scheme.label}, which the torch backend serves on one device for now; drop "
                     "--tensor-parallel-size, or serve it with --backend llamacpp",
                     param="tensor_parallel_size",
                 )
-            desc = "read FP8" if fp8 else "repack to Marlin"
+            desc = f"read {spec.scheme.label}" if floats else "repack to Marlin"
             for prefix, theirs in tqdm(prefixes.items(), desc=desc, unit="linear", leave=False):
                 qw, bias = ckpt.read_linear(theirs), ckpt.read_bias(theirs)
-                if isinstance(qw, Fp8Weight):
-                    _set_module(model, prefix, Fp8Linear(qw, bias, dtype=dtype, device=device, name=prefix))
+                if isinstance(qw, Fp8Weight | Mxfp4Weight):
+                    cls = Fp8Linear if isinstance(qw, Fp8Weight) else Mxfp4Linear
+                    _set_module(model, prefix, cls(qw, bias, dtype=dtype, device=device, name=prefix))
                     continue
                 if shards is not None:
                     qw = shards.quantized(prefix, qw)

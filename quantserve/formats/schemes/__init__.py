@@ -1,6 +1,6 @@
 """Quantized HF checkpoints: one typed config class per quantization method, parsed once by detect().
 
-A scheme (GPTQ, AWQ, Marlin, compressed-tensors, FP8) is one module of this package holding one QuantScheme subclass,
+A scheme (GPTQ, AWQ, Marlin, compressed-tensors, FP8, MXFP4) is one module of this package holding one QuantScheme subclass,
 listed in schemes() below: a new method is its file plus one line there. The class owns everything the rest of
 quantserve asks about its method:
 
@@ -38,6 +38,7 @@ class QuantScheme(ABC):
     quant_methods: ClassVar[tuple[str, ...]]  # quantization_config quant_method values this class parses
     label: ClassVar[str]  # how people write it: "GPTQ"
     writable: ClassVar[bool] = True  # `quantserve convert --format` writes it
+    float_weights: ClassVar[bool] = False  # FP8, MXFP4: float codes that no integer layout holds
     bits: int
     group_size: int  # -1: one group over K
 
@@ -90,8 +91,11 @@ def schemes() -> dict[str, type[QuantScheme]]:
     from quantserve.formats.schemes.fp8 import FP8, CompressedFP8
     from quantserve.formats.schemes.gptq import GPTQ
     from quantserve.formats.schemes.marlin import Marlin
+    from quantserve.formats.schemes.mxfp4 import CompressedMXFP4
 
-    return {cls.name: cls for cls in (AWQ, CompressedTensors, CompressedFP8, FP8, GPTQ, Marlin)}
+    return {
+        cls.name: cls for cls in (AWQ, CompressedTensors, CompressedFP8, CompressedMXFP4, FP8, GPTQ, Marlin)
+    }
 
 
 def writable_schemes() -> list[str]:

@@ -1,6 +1,6 @@
 """compressed-tensors pack-quantized (llm-compressor's W4A16 and kin): int weights packed along K into int32,
 one scheme per `config_groups` entry chosen by its targets (docs/quantized-checkpoints.md,
-"compressed-tensors"). Its float-quantized FP8 is schemes/fp8.py's CompressedFP8."""
+"compressed-tensors"). Its float-quantized FP8 is schemes/fp8.py's CompressedFP8, its MXFP4 schemes/mxfp4.py's."""
 
 from __future__ import annotations
 
@@ -81,6 +81,10 @@ class CompressedTensors(QuantScheme):
             from quantserve.formats.schemes.fp8 import CompressedFP8
 
             return CompressedFP8.from_groups(entries, where)
+        if fmt == "mxfp4-pack-quantized":  # llm-compressor's MXFP4A16
+            from quantserve.formats.schemes.mxfp4 import CompressedMXFP4
+
+            return CompressedMXFP4.from_groups(entries, where)
         if fmt != "pack-quantized" or w.get("type", "int") != "int":
             raise UnsupportedFormatError(
                 f"{where}: compressed-tensors format '{fmt}' with {w.get('type', 'int')} weights is not supported "

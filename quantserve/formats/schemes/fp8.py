@@ -24,6 +24,7 @@ class FP8(QuantScheme):
     quant_methods = ("fp8",)
     label = "FP8"
     writable = False  # read and served; `convert --format` does not write it
+    float_weights = True
     scale: ClassVar[str] = "weight_scale_inv"  # the tensor beside each FP8 weight, which multiplies it
 
     fmt: str  # e4m3, the only FP8 format of weights in the wild
