@@ -389,6 +389,30 @@ def decode_fp8(prefix: str, get: Get, lq: LayerQuant) -> Fp8Weight:
     return Fp8Weight(w, s.float().reshape(grid), block, None if input_scale is None else input_scale.float())
 
 
+def decode_int8(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:
+    """compressed-tensors int-quantized: `weight` int8 [N, K] times `weight_scale` [N, 1], [1] or [N, K/G]; held as
+    QuantizedWeight's unsigned 8-bit codes (the value plus 128, its symmetric zero)."""
+    w = _need(get, prefix, "weight")
+    if w.dtype != torch.int8:
+        raise _error(f"{prefix}.weight", f"dtype {w.dtype}: int-quantized 8-bit weights are int8")
+    s = get("weight_scale")
+    if s is None:
+        raise _error(
+            f"{prefix}.weight_scale", "missing from the checkpoint", "download the missing shard or file"
+        )
+    n, k = w.shape
+    groups = (
+        1 if s.numel() in (1, n) and (s.numel() == 1 or s.dim() == 1 or s.shape[-1] == 1) else s.shape[-1]
+    )
+    if s.numel() == 1:
+        s = s.reshape(1, 1).expand(n, 1)
+    scales = s.reshape(n, groups).t().contiguous()  # [groups, N]
+    if groups > 1 and k % groups:
+        raise _error(f"{prefix}.weight_scale", f"{groups} groups do not divide K = {k}")
+    q = (w.to(torch.int16) + 128).to(torch.uint8).t().contiguous()  # [K, N]
+    return _finish(prefix, QuantizedWeight(q, scales, None, 8, -1 if groups == 1 else k // groups))
+
+
 def decode_mxfp4(prefix: str, get: Get, lq: LayerQuant) -> Mxfp4Weight:
     """compressed-tensors MXFP4: `weight_packed` uint8 [N, K/2] and `weight_scale` uint8 [N, K/32], gpt-oss's bytes
     (kernels/mxfp4.py) one row at a time."""

@@ -137,7 +137,8 @@ def _summarize_hf(spec: ModelSpec) -> dict[str, Any]:
     quantized = {
         t.name.rsplit(".", 1)[0]
         for t in tensors
-        if t.name.rsplit(".", 1)[-1] in _PACKED or (t.name.endswith(".weight") and t.dtype.startswith("F8"))
+        if t.name.rsplit(".", 1)[-1] in _PACKED
+        or (t.name.endswith(".weight") and (t.dtype.startswith("F8") or (t.dtype == "I8" and spec.scheme)))
     }
     n_params, classes = 0, []
     for t in tensors:

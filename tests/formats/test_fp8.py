@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear
+from quantserve.backends.torch.quant_linear import QuantLinear
 from quantserve.backends.torch.weights import load_model
 from quantserve.cli import main
 from quantserve.errors import ModelFileError, UnsupportedFormatError
@@ -23,6 +24,13 @@ from tests.backends.torch.test_torch_engine import greedy_chat
 from tests.fixtures.fp8 import write_compressed, write_fp8
 
 CPU = torch.device("cpu")
+PRESETS = (
+    "FP8",
+    "FP8_DYNAMIC",
+    "FP8_BLOCK",
+    "MXFP4A16",
+    "W8A8",
+)  # llm-compressor's, as compressed-tensors writes them
 PROMPT = [1, 504, 3458, 282, 4649, 314, 8241, 30, 2]
 
 
@@ -45,10 +53,7 @@ def fp8(tiny_llama_hf, tmp_path_factory) -> dict[str, Path]:
         # every expert FP8, the router not
         "qwen3-moe": write_fp8(d / "qwen3-moe", d / "qwen3-moe-fp8", (32, 32)),
         # compressed-tensors, as llm-compressor writes its presets
-        **{
-            p: write_compressed(tiny_llama_hf, d / p, p)
-            for p in ("FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16")
-        },
+        **{p: write_compressed(tiny_llama_hf, d / p, p) for p in PRESETS},
     }
 
 
@@ -71,7 +76,7 @@ def test_inspect_shows_the_scheme_and_both_backends_plans(fp8):
 
 
 @pytest.mark.parametrize(
-    "kind", ["b128", "b32x64", "tensor", "qwen3-moe", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16"]
+    "kind", ["b128", "b32x64", "tensor", "qwen3-moe", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "W8A8"]
 )
 def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     """transformers reads the FP8 checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle
@@ -86,6 +91,9 @@ def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     down = "model.layers.1.mlp." + ("experts.3.down_proj" if kind == "qwen3-moe" else "down_proj")
     q = model.get_submodule(down)
     shipped = load_file(fp8[kind] / "model.safetensors")
+    if kind == "W8A8":  # the integers, on the W8A16 kernels (Marlin 8-bit, per channel)
+        assert isinstance(q, QuantLinear) and (q.bits, q.group_size) == (8, -1)
+        return
     if kind == "MXFP4A16":  # the shipped bytes: two e2m1 codes a byte, a scale per 32
         assert isinstance(q, Mxfp4Linear) and torch.equal(
             q.blocks.flatten(1), shipped[down + ".weight_packed"]
@@ -123,6 +131,11 @@ def test_compressed_tensors_presets_are_read_as_llm_compressor_writes_them(fp8):
     assert (
         "q_proj: compressed-tensors MXFP4" in out and "keep them as they ship (4.25 bits a weight)" in out
     ), out
+    w8 = detect(fp8["W8A8"])
+    assert w8.scheme.summary() == (
+        "compressed-tensors INT8 (symmetric, per channel; activations in the checkpoint: int8 per token (dynamic))"
+    )
+    assert set(w8.scheme.repack_targets()) == {"gptq", "marlin", "compressed-tensors"}  # 8-bit per channel
     out = CliRunner().invoke(main, ["inspect", str(fp8["FP8_BLOCK"])]).output
     assert "q_proj: F8_E4M3" in out and "granularity=block" in out
 
@@ -304,3 +317,18 @@ def test_an_fp8_checkpoint_is_not_repacked_to_an_integer_layout(fp8, tmp_path):
         r.output
     )
     assert not (tmp_path / "x").exists()
+
+
+def test_an_int8_checkpoint_repacks_losslessly_to_gptq(fp8, tmp_path):
+    """W8A8's integers are QuantizedWeight's: `convert --format gptq` writes the same integers, and the scales as
+    GPTQ stores them, in fp16 (these fp32 ones rounded once; a bf16 model's fit fp16's range)."""
+    from quantserve.formats.quant_read import open_quantized
+
+    args = ["convert", "--src", str(fp8["W8A8"]), "--dst", str(tmp_path / "gptq"), "--format", "gptq"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    with open_quantized(fp8["W8A8"]) as a, open_quantized(tmp_path / "gptq") as b:
+        assert a.linear_prefixes() == b.linear_prefixes() and len(a.linear_prefixes()) == 14
+        for p in a.linear_prefixes():
+            x, y = a.read_linear(p), b.read_linear(p)
+            assert torch.equal(x.qweight, y.qweight) and torch.equal(x.scales.half(), y.scales), p

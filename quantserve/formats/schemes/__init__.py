@@ -1,6 +1,6 @@
 """Quantized HF checkpoints: one typed config class per quantization method, parsed once by detect().
 
-A scheme (GPTQ, AWQ, Marlin, compressed-tensors, FP8, MXFP4) is one module of this package holding one QuantScheme subclass,
+A scheme (GPTQ, AWQ, Marlin, compressed-tensors, FP8, MXFP4, INT8) is one module of this package holding one QuantScheme subclass,
 listed in schemes() below: a new method is its file plus one line there. The class owns everything the rest of
 quantserve asks about its method:
 
@@ -90,12 +90,12 @@ def schemes() -> dict[str, type[QuantScheme]]:
     from quantserve.formats.schemes.compressed_tensors import CompressedTensors
     from quantserve.formats.schemes.fp8 import FP8, CompressedFP8
     from quantserve.formats.schemes.gptq import GPTQ
+    from quantserve.formats.schemes.int8 import CompressedInt8
     from quantserve.formats.schemes.marlin import Marlin
     from quantserve.formats.schemes.mxfp4 import CompressedMXFP4
 
-    return {
-        cls.name: cls for cls in (AWQ, CompressedTensors, CompressedFP8, CompressedMXFP4, FP8, GPTQ, Marlin)
-    }
+    listed = (AWQ, CompressedTensors, CompressedFP8, CompressedInt8, CompressedMXFP4, FP8, GPTQ, Marlin)
+    return {cls.name: cls for cls in listed}
 
 
 def writable_schemes() -> list[str]:

@@ -1,6 +1,7 @@
 """compressed-tensors pack-quantized (llm-compressor's W4A16 and kin): int weights packed along K into int32,
 one scheme per `config_groups` entry chosen by its targets (docs/quantized-checkpoints.md,
-"compressed-tensors"). Its float-quantized FP8 is schemes/fp8.py's CompressedFP8, its MXFP4 schemes/mxfp4.py's."""
+"compressed-tensors"). Its float-quantized FP8 is schemes/fp8.py's CompressedFP8, its MXFP4 schemes/mxfp4.py's, its
+int-quantized INT8 schemes/int8.py's."""
 
 from __future__ import annotations
 
@@ -81,6 +82,10 @@ class CompressedTensors(QuantScheme):
             from quantserve.formats.schemes.fp8 import CompressedFP8
 
             return CompressedFP8.from_groups(entries, where)
+        if fmt == "int-quantized":  # llm-compressor's W8A8 (SmoothQuant, GPTQ): int8 weights, one per byte
+            from quantserve.formats.schemes.int8 import CompressedInt8
+
+            return CompressedInt8.from_groups(entries, where)
         if fmt == "mxfp4-pack-quantized":  # llm-compressor's MXFP4A16
             from quantserve.formats.schemes.mxfp4 import CompressedMXFP4
 
