@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - t0, 1),
     }
     lines = [
-        f"INT8 W8A8 served as W8A16: {args.model} against {args.base}, {count} tokens in chunks of {args.n_ctx}, "
-        f"{report['scored_by']}",
+        f"INT8 W8A8 served as W8A16: {args.model} against {args.base}, {count} tokens scored in chunks of "
+        f"{args.n_ctx}, {report['scored_by']}, on {report['machine']}, {report['date']}",
         "",
         "| weights / activations | PPL | KL vs dense | top-1 vs dense |",
         "|---|---|---|---|",
