@@ -60,7 +60,7 @@ def test_every_writer_module_is_listed():
     # a writer for every scheme detect() reads but those it reads only (FP8, MXFP4: float codes no writer makes yet;
     # compressed-tensors' int-quantized INT8, which repacks into the 8-bit layouts that are written)
     writable = {name for name, cls in schemes().items() if cls.writable}
-    floats = {"fp8", "compressed-tensors-fp8", "compressed-tensors-mxfp4"}
+    floats = {"fp8", "compressed-tensors-fp8", "compressed-tensors-mxfp4", "compressed-tensors-nvfp4"}
     assert set(writers()) == writable == set(schemes()) - floats - {"compressed-tensors-int8"}
     assert {name for name, cls in schemes().items() if cls.float_weights} == floats
 

@@ -21,6 +21,7 @@ from quantserve.kernels import grouping
 from quantserve.kernels.fp8 import Fp8Weight
 from quantserve.kernels.grouping import SUPPORTED_BITS
 from quantserve.kernels.mxfp4 import Mxfp4Weight
+from quantserve.kernels.nvfp4 import Nvfp4Weight
 from quantserve.kernels.packing import pack, packed_len, unpack
 from quantserve.kernels.qweight import QuantizedWeight, QuantLayoutError
 
@@ -432,6 +433,29 @@ def decode_mxfp4(prefix: str, get: Get, lq: LayerQuant) -> Mxfp4Weight:
     return Mxfp4Weight(packed.reshape(n, half // 16, 16), scale)
 
 
+def decode_nvfp4(prefix: str, get: Get, lq: LayerQuant) -> Nvfp4Weight:
+    """compressed-tensors NVFP4: `weight_packed` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16] and
+    `weight_global_scale` [1] (kernels/nvfp4.py)."""
+    packed, scale = _need(get, prefix, "weight_packed"), _need(get, prefix, "weight_scale")
+    glob = get("weight_global_scale")
+    n, half = packed.shape
+    if (
+        packed.dtype != torch.uint8
+        or scale.dtype != torch.float8_e4m3fn
+        or (2 * half) % 16
+        or tuple(scale.shape) != (n, 2 * half // 16)
+        or glob is None
+        or glob.numel() != 1
+    ):
+        raise _error(
+            f"{prefix}.weight_packed",
+            f"{packed.dtype} {list(packed.shape)} with weight_scale {scale.dtype} {list(scale.shape)} and "
+            f"{'no' if glob is None else glob.numel()} global scale is not NVFP4 (uint8 [N, K/2], float8_e4m3fn "
+            "[N, K/16], one float)",
+        )
+    return Nvfp4Weight(packed, scale, glob.float().reshape(1))
+
+
 @dataclass(frozen=True)
 class Layout:
     """A per-linear tensor layout (a scheme's `layout()`): the tensor that marks a quantized linear, all tensors
@@ -439,4 +463,4 @@ class Layout:
 
     marker: str
     suffixes: tuple[str, ...]
-    decode: Callable[[str, Get, LayerQuant], QuantizedWeight | Fp8Weight | Mxfp4Weight]
+    decode: Callable[[str, Get, LayerQuant], QuantizedWeight | Fp8Weight | Mxfp4Weight | Nvfp4Weight]

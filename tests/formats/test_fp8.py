@@ -14,7 +14,7 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear
+from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear, Nvfp4Linear
 from quantserve.backends.torch.quant_linear import QuantLinear
 from quantserve.backends.torch.weights import load_model
 from quantserve.cli import main
@@ -29,6 +29,7 @@ PRESETS = (
     "FP8_DYNAMIC",
     "FP8_BLOCK",
     "MXFP4A16",
+    "NVFP4A16",
     "W8A8",
 )  # llm-compressor's, as compressed-tensors writes them
 PROMPT = [1, 504, 3458, 282, 4649, 314, 8241, 30, 2]
@@ -76,13 +77,32 @@ def test_inspect_shows_the_scheme_and_both_backends_plans(fp8):
 
 
 @pytest.mark.parametrize(
-    "kind", ["b128", "b32x64", "tensor", "qwen3-moe", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "MXFP4A16", "W8A8"]
+    "kind",
+    [
+        "b128",
+        "b32x64",
+        "tensor",
+        "qwen3-moe",
+        "FP8",
+        "FP8_DYNAMIC",
+        "FP8_BLOCK",
+        "MXFP4A16",
+        "NVFP4A16",
+        "W8A8",
+    ],
 )
-def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
-    """transformers reads the FP8 checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle
-    for which scale covers which weight. Ours keeps the file's FP8 bytes and decodes them in each matmul."""
+def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8, tmp_path):
+    """transformers reads the checkpoint itself (on a CPU it dequantizes at load, in fp32 here): the oracle for
+    which scale covers which weight. Ours keeps the file's bytes and decodes them in the matmul. NVFP4 is the
+    exception: compressed-tensors decompresses it to bf16, so transformers runs our exact fp32 dequantization instead
+    (that the two agree but for bf16's rounding is test_dequantization_is_exactly_what_transformers_computes)."""
+    from quantserve.quant.dequantize import dequantize_checkpoint
+
     model = load_model(detect(fp8[kind]), dtype=torch.float32, device=CPU)
-    ref = _transformers(fp8[kind])
+    if kind == "NVFP4A16":
+        ref = _transformers(dequantize_checkpoint(fp8[kind], tmp_path / "dense"))
+    else:
+        ref = _transformers(fp8[kind])
     ids = torch.tensor([[t % 256 for t in PROMPT]])  # in the tiny Qwen3-MoE's vocab too
     with torch.no_grad():
         want = ref(ids).logits[0]
@@ -91,6 +111,10 @@ def test_torch_logits_equal_transformers_on_the_same_checkpoint(kind, fp8):
     down = "model.layers.1.mlp." + ("experts.3.down_proj" if kind == "qwen3-moe" else "down_proj")
     q = model.get_submodule(down)
     shipped = load_file(fp8[kind] / "model.safetensors")
+    if kind == "NVFP4A16":  # the shipped bytes: two e2m1 codes a byte, an e4m3 scale per 16, the global scale
+        assert isinstance(q, Nvfp4Linear) and torch.equal(q.packed, shipped[down + ".weight_packed"])
+        assert torch.equal(q.scales.view(torch.uint8), shipped[down + ".weight_scale"].view(torch.uint8))
+        return
     if kind == "W8A8":  # the integers, on the W8A16 kernels (Marlin 8-bit, per channel)
         assert isinstance(q, QuantLinear) and (q.bits, q.group_size) == (8, -1)
         return
@@ -108,10 +132,8 @@ def _transformers(path: Path):
     """transformers on the checkpoint, its weights dequantized at load (compressed-tensors: decompressed, with no
     activation quantization left on)."""
     extra = {}
-    if (
-        json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"]
-        == "compressed-tensors"
-    ):
+    qc = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("quant_method") == "compressed-tensors":
         extra["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra).eval()
 
@@ -131,6 +153,10 @@ def test_compressed_tensors_presets_are_read_as_llm_compressor_writes_them(fp8):
     assert (
         "q_proj: compressed-tensors MXFP4" in out and "keep them as they ship (4.25 bits a weight)" in out
     ), out
+    assert detect(fp8["NVFP4A16"]).scheme.summary() == (
+        "compressed-tensors NVFP4 (e2m1 weights, an e4m3 scale per 16 and a global one; activations in the "
+        "checkpoint: none)"
+    )
     w8 = detect(fp8["W8A8"])
     assert w8.scheme.summary() == (
         "compressed-tensors INT8 (symmetric, per channel; activations in the checkpoint: int8 per token (dynamic))"
@@ -229,17 +255,20 @@ def test_smollm2_fp8_answers_on_both_backends_with_the_same_tokens(smollm2_fp8):
     assert replies["torch"] == replies["llamacpp"], replies
 
 
-@pytest.mark.parametrize("kind", ["b32x64", "FP8_BLOCK", "MXFP4A16"])
+@pytest.mark.parametrize("kind", ["b32x64", "FP8_BLOCK", "MXFP4A16", "NVFP4A16"])
 def test_dequantization_is_exactly_what_transformers_computes(kind, fp8, tmp_path):
     """What llama.cpp is given (and `convert` writes from): the weights transformers dequantizes the checkpoint
-    to, bit for bit."""
+    to, bit for bit (NVFP4: compressed-tensors decompresses in bf16, ours in fp32 rounded to bf16 is theirs)."""
     from quantserve.quant.dequantize import dequantize_checkpoint
 
     ref = _transformers(fp8[kind]).state_dict()
     dense = load_file(dequantize_checkpoint(fp8[kind], tmp_path / "dense") / "model.safetensors")
     assert {n for n in dense if n.endswith("_proj.weight")} == {n for n in ref if n.endswith("_proj.weight")}
     for name, t in dense.items():
-        assert torch.equal(t, ref[name]), name
+        bf16 = kind == "NVFP4A16" and name.endswith(
+            "_proj.weight"
+        )  # compressed-tensors' own NVFP4 arithmetic
+        assert torch.equal(t.bfloat16().float() if bf16 else t, ref[name]), name
 
 
 @pytest.mark.parametrize("kind", ["b32x64", "MXFP4A16"])

@@ -127,3 +127,48 @@ def test_mxfp4_linear_runs_the_kernel_where_it_can_and_both_paths_agree(monkeypa
     for layer in (kernel, portable):
         got = layer(x)
         assert got.shape == (2, 3, 96) and (got.double() - want).abs().max() < 1e-4 * want.abs().max()
+
+
+def _nvfp4(n: int, k: int, seed: int = 4):
+    """Random NVFP4 codes, e4m3 scales and a global scale, as bytes: any byte is a valid pair of e2m1 codes."""
+    from quantserve.kernels.nvfp4 import Nvfp4Weight
+
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 16, generator=gen) * 400 + 1).to(torch.float8_e4m3fn)
+    return Nvfp4Weight(packed, scales, torch.tensor([2000.0]))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 96, 128), (17, 80, 160)])
+def test_nvfp4_gemm_equals_dequantize_then_matmul(m, n, k):
+    from quantserve.kernels import nvfp4
+
+    w = _nvfp4(n, k)
+    gen = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    want = x.double() @ w.dequantize(torch.float64) + bias.double()
+    got = nvfp4.nvfp4_linear(x, w, bias)
+    assert (got.double() - want).abs().max() < 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch", [80, 90, 120])
+def test_nvfp4_gemm_compiles_without_register_spills(arch, monkeypatch):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from quantserve.kernels import nvfp4
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kernel = nvfp4._kernel(False)
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+             "inv_global": "fp32"}  # fmt: skip
+    constexprs = dict(HAS_BIAS=True, F32_DOT=False, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n.endswith("_ptr")}
+    src = ASTSource(kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+    options = {"num_warps": 4, "num_stages": 2, "enable_fp_fusion": True}
+    assert _stack_bytes(compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]) in (
+        0,
+        None,
+    )

@@ -54,7 +54,9 @@ class TorchBackend:
         device, dtype = pick_device_dtype(spec.config or {})
         where = f"on {device.type} in {str(dtype).removeprefix('torch.')}"
         if spec.scheme is not None and spec.scheme.float_weights:
-            size = "1 byte" if spec.scheme.bits == 8 else "4.25 bits"
+            scheme = spec.scheme
+            # FP8: a byte and its scales; FP4: half a byte and an 8-bit scale per group
+            size = "1 byte" if scheme.bits == 8 else f"{scheme.bits + 8 / scheme.group_size:g} bits"
             weights = (
                 f"read the {spec.scheme.summary()} weights and keep them as they ship ({size} a weight), each "
                 f"matmul decoding them to {str(dtype).removeprefix('torch.')} (activations are not quantized)"

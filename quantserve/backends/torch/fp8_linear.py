@@ -1,5 +1,5 @@
 """Fp8Linear: an nn.Linear stand-in whose weight stays FP8 (e4m3) in memory, one byte a weight plus its scales;
-Mxfp4Linear, the same for MXFP4.
+Mxfp4Linear and Nvfp4Linear, the same for MXFP4 and NVFP4.
 
 W8A16: the activations stay in the model's dtype (the checkpoint's dynamic or static FP8 activations are not
 applied). On CUDA, kernels/fp8.py's Triton GEMM decodes the weight tile by tile in registers; elsewhere each call
@@ -13,9 +13,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from quantserve.kernels import fp8, mxfp4
+from quantserve.kernels import fp8, mxfp4, nvfp4
 from quantserve.kernels.fp8 import Fp8Weight
 from quantserve.kernels.mxfp4 import Mxfp4Weight
+from quantserve.kernels.nvfp4 import Nvfp4Weight
 
 
 class Fp8Linear(nn.Module):
@@ -73,3 +74,32 @@ class Mxfp4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mxfp4"
+
+
+class Nvfp4Linear(nn.Module):
+    """An nn.Linear stand-in whose weight stays NVFP4 (4.5 bits a weight): kernels/nvfp4.py's Triton GEMM on CUDA,
+    elsewhere the weight decoded to the activations' dtype first."""
+
+    def __init__(self, w: Nvfp4Weight, bias: torch.Tensor | None, *, dtype: torch.dtype, device: torch.device,
+                 name: str):  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = w.K, w.N
+        self.name = name
+        self.register_buffer("packed", w.packed.to(device), persistent=False)
+        self.register_buffer("scales", w.scales.to(device), persistent=False)
+        self.register_buffer("global_scale", w.global_scale.to(device, torch.float32), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+        self.use_kernel = mxfp4.can_run(torch.device(device))  # the same rule: CUDA, or the interpreter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        w = Nvfp4Weight(self.packed, self.scales, self.global_scale)
+        out = (
+            nvfp4.nvfp4_linear(flat, w, self.bias)
+            if self.use_kernel
+            else nvfp4.nvfp4_linear_ref(flat, w, self.bias)
+        )
+        return out.reshape(*x.shape[:-1], -1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4"

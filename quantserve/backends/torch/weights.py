@@ -213,11 +213,12 @@ def load_model(
             param="quant",
         )
     if spec.scheme is not None:
-        from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear
+        from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear, Nvfp4Linear
         from quantserve.backends.torch.quant_linear import QuantLinear
         from quantserve.formats.quant_read import open_quantized
         from quantserve.kernels.fp8 import Fp8Weight
         from quantserve.kernels.mxfp4 import Mxfp4Weight
+        from quantserve.kernels.nvfp4 import Nvfp4Weight
 
         with open_quantized(spec) as ckpt:
             prefixes = {name(p): p for p in ckpt.linear_prefixes()}  # ours -> the checkpoint's
@@ -249,8 +250,8 @@ def load_model(
             desc = f"read {spec.scheme.label}" if floats else "repack to Marlin"
             for prefix, theirs in tqdm(prefixes.items(), desc=desc, unit="linear", leave=False):
                 qw, bias = ckpt.read_linear(theirs), ckpt.read_bias(theirs)
-                if isinstance(qw, Fp8Weight | Mxfp4Weight):
-                    cls = Fp8Linear if isinstance(qw, Fp8Weight) else Mxfp4Linear
+                if isinstance(qw, Fp8Weight | Mxfp4Weight | Nvfp4Weight):
+                    cls = {Fp8Weight: Fp8Linear, Mxfp4Weight: Mxfp4Linear, Nvfp4Weight: Nvfp4Linear}[type(qw)]
                     _set_module(model, prefix, cls(qw, bias, dtype=dtype, device=device, name=prefix))
                     continue
                 if shards is not None:

@@ -92,9 +92,19 @@ def schemes() -> dict[str, type[QuantScheme]]:
     from quantserve.formats.schemes.gptq import GPTQ
     from quantserve.formats.schemes.int8 import CompressedInt8
     from quantserve.formats.schemes.marlin import Marlin
-    from quantserve.formats.schemes.mxfp4 import CompressedMXFP4
+    from quantserve.formats.schemes.mxfp4 import CompressedMXFP4, CompressedNVFP4
 
-    listed = (AWQ, CompressedTensors, CompressedFP8, CompressedInt8, CompressedMXFP4, FP8, GPTQ, Marlin)
+    listed = (
+        AWQ,
+        CompressedTensors,
+        CompressedFP8,
+        CompressedInt8,
+        CompressedMXFP4,
+        CompressedNVFP4,
+        FP8,
+        GPTQ,
+        Marlin,
+    )
     return {cls.name: cls for cls in listed}
 
 

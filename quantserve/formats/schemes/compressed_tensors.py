@@ -90,6 +90,10 @@ class CompressedTensors(QuantScheme):
             from quantserve.formats.schemes.mxfp4 import CompressedMXFP4
 
             return CompressedMXFP4.from_groups(entries, where)
+        if fmt == "nvfp4-pack-quantized":  # llm-compressor's NVFP4A16 and NVFP4
+            from quantserve.formats.schemes.mxfp4 import CompressedNVFP4
+
+            return CompressedNVFP4.from_groups(entries, where)
         if fmt != "pack-quantized" or w.get("type", "int") != "int":
             raise UnsupportedFormatError(
                 f"{where}: compressed-tensors format '{fmt}' with {w.get('type', 'int')} weights is not supported "
