@@ -1,4 +1,4 @@
-"""FP8 linears at Llama-3-8B's shapes (hidden 4096, ffn 14336, 8 KV heads), on a GPU, with bf16 activations.
+"""FP8 and NVFP4 linears at Llama-3-8B's shapes (hidden 4096, ffn 14336, 8 KV heads), on a GPU, with bf16 activations.
 
 Measured in the same process on the same random weights, rounded to FP8 e4m3 in 128×128 blocks as the official FP8
 releases are, then for each token count M:
@@ -6,6 +6,9 @@ releases are, then for each token count M:
 - `ours fp8`: kernels/fp8.py's W8A16 Triton GEMM, what the torch backend runs for an FP8 checkpoint: the weight's
   bytes decoded in registers, activations in bf16;
 - `cublas bf16`: the same weights dequantized to bf16, through cuBLAS (`x @ W.T`): what a bf16 checkpoint costs;
+- `ours nvfp4`: kernels/nvfp4.py's W4A16 GEMM on random NVFP4 weights of the same shape (e2m1 codes, e4m3 scales
+  per 16, a global scale), what the torch backend runs for an NVFP4 checkpoint; checked against its own
+  dequantization;
 - `scaled_mm fp8`: torch._scaled_mm on FP8 tensor cores (sm89+), the activations quantized to FP8 per token at run
   time (that quantization timed too) and the weight with one scale per output row, FP8 × FP8: the W8A8 peer that
   vLLM's FP8 path resembles (it scales per block; `_scaled_mm`'s row-wise scales are the nearest torch has).
@@ -34,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_gemm import cell, event_ms  # noqa: E402
 
-from quantserve.kernels import fp8  # noqa: E402
+from quantserve.kernels import fp8, nvfp4  # noqa: E402
 from quantserve.kernels.fp8 import Fp8Weight  # noqa: E402
+from quantserve.kernels.nvfp4 import Nvfp4Weight  # noqa: E402
 from quantserve.kernels.reference import relative_error  # noqa: E402
 
 # (name, N, K) of one Llama-3-8B layer's linears, q|k|v and gate|up fused as the torch backend fuses them
@@ -69,6 +73,13 @@ def scaled_mm_peer(w: Fp8Weight):
     return call
 
 
+def random_nvfp4(n: int, k: int, device: str, gen: torch.Generator) -> Nvfp4Weight:
+    """Random NVFP4 bytes (any byte is two e2m1 codes), e4m3 scales and a global scale: its own reference."""
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 16, generator=gen, device=device) * 400 + 1).to(torch.float8_e4m3fn)
+    return Nvfp4Weight(packed, scales, torch.tensor([448.0 * 6 / 0.1], device=device))
+
+
 def run(shapes: list, tokens: list[int], device: str) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
@@ -77,20 +88,24 @@ def run(shapes: list, tokens: list[int], device: str) -> list[dict]:
         ref_w = w.dense(torch.float32)
         bf16_w = ref_w.to(torch.bfloat16)
         scaled = scaled_mm_peer(w) if device == "cuda" else None
+        w4 = random_nvfp4(n, k, device, gen)
+        ref_w4 = w4.dequantize(torch.float32)  # [K, N]
         for m in tokens:
             x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
             ref = x.float() @ ref_w.T
             calls = {
                 "ours fp8": lambda x=x, w=w: fp8.fp8_linear(x, w),
                 "cublas bf16": lambda x=x, b=bf16_w: x @ b.T,
+                "ours nvfp4": lambda x=x, w4=w4: nvfp4.nvfp4_linear(x, w4),
             }
+            refs = {"ours nvfp4": x.float() @ ref_w4}
             if scaled is not None:
                 calls["scaled_mm fp8"] = lambda x=x, s=scaled: s(x)
             row: dict = {"linear": name, "N": n, "K": k, "M": m}
             for peer, call in calls.items():
                 try:
                     with torch.no_grad():
-                        row[peer] = {"ms": None, "rel_err": relative_error(call(), ref)}
+                        row[peer] = {"ms": None, "rel_err": relative_error(call(), refs.get(peer, ref))}
                         if device == "cuda":
                             row[peer]["ms"] = event_ms(call)
                 except Exception as exc:  # a peer this torch or GPU lacks is reported, not fatal
@@ -106,26 +121,27 @@ def decode_ms(rows: list[dict], peer: str) -> float | None:
     return None if not per_layer or None in per_layer else sum(per_layer) * LAYERS
 
 
-PEERS = ["ours fp8", "cublas bf16", "scaled_mm fp8"]
+PEERS = ["ours fp8", "ours nvfp4", "cublas bf16", "scaled_mm fp8"]
 
 
 def markdown(report: dict) -> str:
     out = [
-        f"FP8 linears at Llama-3-8B's shapes on {report['device']}, bf16 activations (ms a call; relative error "
+        f"FP8 and NVFP4 linears at Llama-3-8B's shapes on {report['device']}, bf16 activations (ms a call; relative error "
         "against fp32)",
         "",
-        "| linear | M | " + " | ".join(PEERS) + " | cublas bf16 / ours | scaled_mm fp8 / ours |",
-        "|---" * (len(PEERS) + 4) + "|",
+        "| linear | M | " + " | ".join(PEERS) + " | cublas bf16 / ours fp8 | scaled_mm fp8 / ours fp8 | "
+        "cublas bf16 / ours nvfp4 |",
+        "|---" * (len(PEERS) + 5) + "|",
     ]
     for r in report["rows"]:
 
-        def ratio(peer: str, r=r) -> str:
-            a, b = r.get("ours fp8", {}).get("ms"), r.get(peer, {}).get("ms")
+        def ratio(peer: str, ours: str = "ours fp8", r=r) -> str:
+            a, b = r.get(ours, {}).get("ms"), r.get(peer, {}).get("ms")
             return f"{b / a:.2f}x" if a and b else "-"
 
         cells = " | ".join(cell(r.get(p)) for p in PEERS)
         out.append(f"| {r['linear']} {r['N']}x{r['K']} | {r['M']} | {cells} | {ratio('cublas bf16')} | "
-                   f"{ratio('scaled_mm fp8')} |")  # fmt: skip
+                   f"{ratio('scaled_mm fp8')} | {ratio('cublas bf16', 'ours nvfp4')} |")  # fmt: skip
     decode = {p: decode_ms(report["rows"], p) for p in PEERS}
     out += ["", "One 8B decode step's linears (M = 1, 32 layers): " + ", ".join(
         f"{p} {'-' if v is None else format(v, '.2f')} ms" for p, v in decode.items())]  # fmt: skip
@@ -167,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     # ours must be right (bf16 rounding of the output: ~4e-3); the peers are reported, not judged
-    return 0 if all(r["ours fp8"].get("rel_err", 1.0) < 1e-2 for r in rows) else 1
+    return 0 if all(r[p].get("rel_err", 1.0) < 1e-2 for r in rows for p in ("ours fp8", "ours nvfp4")) else 1
 
 
 if __name__ == "__main__":

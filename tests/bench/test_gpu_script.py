@@ -56,7 +56,11 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(smollm2_hf, tmp_path):
     assert {r["weights"] for r in steps["gemma-decode"]["result"]["rows"]} == {"int4", "float32"}
     assert [r["what"] for r in steps["deltanet"]["result"]["rows"]] == ["decode", "decode", "prefill"]
     assert all(r["grouped mxfp4"]["rel_err"] < 1e-2 for r in steps["oss-moe"]["result"]["rows"])
-    assert all(r["ours fp8"]["rel_err"] < 1e-2 for r in steps["fp8-gemm"]["result"]["rows"])
+    assert all(
+        r[p]["rel_err"] < 1e-2
+        for r in steps["fp8-gemm"]["result"]["rows"]
+        for p in ("ours fp8", "ours nvfp4")
+    )
     report = (out / "report.md").read_text()
     for heading in ("| env | ok", "## CUDA tests", "## Decode", "## Serving smoke test", "(answered)", "## MoE layer",
                     "## MoE decode", "## Gated DeltaNet kernels", "## gpt-oss MoE layer", "## FP8 linears"):  # fmt: skip
