@@ -25,13 +25,11 @@ class Fp8Weight:
         scale: float32 [ceil(N / block[0]), ceil(K / block[1])], what a checkpoint calls `weight_scale_inv`
             (native FP8) or `weight_scale` (compressed-tensors): it multiplies.
         block: (rows, columns) one scale covers.
-        input_scale: the activations' static scale (W8A8 static checkpoints), or None.
     """
 
     weight: torch.Tensor
     scale: torch.Tensor
     block: tuple[int, int]
-    input_scale: torch.Tensor | None = None
 
     bits = 8
 

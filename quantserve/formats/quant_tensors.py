@@ -386,8 +386,7 @@ def decode_fp8(prefix: str, get: Get, lq: LayerQuant) -> Fp8Weight:
             scale_name,
             f"shape {list(s.shape)} does not match {name} [{n}, {k}] in blocks of {list(block)}: expected {list(grid)}",
         )
-    input_scale = get("input_scale")
-    return Fp8Weight(w, s.float().reshape(grid), block, None if input_scale is None else input_scale.float())
+    return Fp8Weight(w, s.float().reshape(grid), block)  # a static input_scale is not applied (W8A16)
 
 
 def decode_int8(prefix: str, get: Get, lq: LayerQuant) -> QuantizedWeight:

@@ -14,7 +14,7 @@ import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear, Nvfp4Linear
+from quantserve.backends.torch.float_linear import Fp8Linear, Mxfp4Linear, Nvfp4Linear
 from quantserve.backends.torch.quant_linear import QuantLinear
 from quantserve.backends.torch.weights import load_model
 from quantserve.cli import main

@@ -82,7 +82,7 @@ def test_gemm_compiles_for_sm80_sm90_sm120_without_register_spills(arch, monkeyp
 
 
 def test_fp8_linear_runs_the_kernel_where_it_can_and_both_paths_agree(monkeypatch):
-    from quantserve.backends.torch.fp8_linear import Fp8Linear
+    from quantserve.backends.torch.float_linear import Fp8Linear
 
     w, bias = _weight(96, 160, (32, 64)), torch.randn(96)
     x = torch.randn(2, 3, 160)  # [batch, tokens, K]
@@ -113,7 +113,7 @@ def test_cuda_gemm_equals_dequantize_then_matmul(m, dtype, monkeypatch):
 
 def test_mxfp4_linear_runs_the_kernel_where_it_can_and_both_paths_agree(monkeypatch):
     """A dense MXFP4 linear (compressed-tensors' MXFP4A16) through kernels/mxfp4.py's GEMM, gpt-oss's experts' one."""
-    from quantserve.backends.torch.fp8_linear import Mxfp4Linear
+    from quantserve.backends.torch.float_linear import Mxfp4Linear
     from quantserve.kernels import mxfp4
 
     blocks, scales = mxfp4.quantize(torch.randn(96, 128, generator=torch.Generator().manual_seed(3)))

@@ -21,13 +21,13 @@ log = logging.getLogger("quantserve")
 
 
 def _dequant_dtype(spec: ModelSpec) -> str:
-    """fp32 for FP8 and MXFP4, whose weights times their scales fp16 cannot always hold (so the conversion starts
+    """fp32 for FP8 and FP4, whose weights times their scales fp16 cannot always hold (so the conversion starts
     from exactly the checkpoint's weights, as llama.cpp's converter does); fp16 for the integer schemes."""
     return "float32" if spec.scheme is not None and spec.scheme.float_weights else "float16"
 
 
 def _dequantized(spec: ModelSpec) -> tuple[ModelSpec, object]:
-    """A quantized HF checkpoint (GPTQ, AWQ, Marlin, compressed-tensors, FP8) as dense weights in a temporary
+    """A quantized HF checkpoint (GPTQ, AWQ, Marlin, compressed-tensors, FP8, FP4) as dense weights in a temporary
     directory (llama.cpp reads no such format); the handle keeps the directory alive while it is served."""
     import tempfile
 

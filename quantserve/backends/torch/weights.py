@@ -213,7 +213,7 @@ def load_model(
             param="quant",
         )
     if spec.scheme is not None:
-        from quantserve.backends.torch.fp8_linear import Fp8Linear, Mxfp4Linear, Nvfp4Linear
+        from quantserve.backends.torch.float_linear import Fp8Linear, Mxfp4Linear, Nvfp4Linear
         from quantserve.backends.torch.quant_linear import QuantLinear
         from quantserve.formats.quant_read import open_quantized
         from quantserve.kernels.fp8 import Fp8Weight
@@ -240,7 +240,7 @@ def load_model(
                     "tower and projector in full precision only. Quantize the language model alone."
                 )
             model = _empty_model(args, dtype, device, drop=list(prefixes), vocab_rows=vocab_rows)
-            floats = spec.scheme.float_weights  # FP8, MXFP4: kept as they ship, decoded in the matmul
+            floats = spec.scheme.float_weights  # FP8, MXFP4, NVFP4: kept as they ship, decoded in the matmul
             if floats and shards is not None:
                 raise ConfigError(
                     f"{spec.path} is {spec.scheme.label}, which the torch backend serves on one device for now; drop "

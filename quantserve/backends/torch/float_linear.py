@@ -1,10 +1,10 @@
-"""Fp8Linear: an nn.Linear stand-in whose weight stays FP8 (e4m3) in memory, one byte a weight plus its scales;
-Mxfp4Linear and Nvfp4Linear, the same for MXFP4 and NVFP4.
+"""nn.Linear stand-ins whose weights stay in a float checkpoint's own bytes: Fp8Linear (FP8 e4m3, a byte a weight
+plus its scales), Mxfp4Linear and Nvfp4Linear (e2m1, half a byte plus a scale per 32 or 16).
 
-W8A16: the activations stay in the model's dtype (the checkpoint's dynamic or static FP8 activations are not
-applied). On CUDA, kernels/fp8.py's Triton GEMM decodes the weight tile by tile in registers; elsewhere each call
-decodes the whole weight to the activations' dtype and multiplies (exact in fp32, one rounding in bf16/fp16): the
-portable path, slow but correct (docs/quantized-checkpoints.md, "FP8").
+The activations stay in the model's dtype (a checkpoint's FP8 or FP4 activation quantization is not applied). On
+CUDA a Triton GEMM (kernels/fp8.py, mxfp4.py, nvfp4.py) decodes the weight tile by tile in registers; elsewhere each
+call decodes the whole weight to the activations' dtype and multiplies (exact in fp32, one rounding in bf16/fp16):
+the portable path, slow but correct (docs/quantized-checkpoints.md, "FP8").
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", w.weight.to(device), persistent=False)
         self.register_buffer("scale", w.scale.to(device, torch.float32), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
-        self.use_kernel = fp8.can_run(
-            torch.device(device)
-        )  # CUDA (or the CPU under TRITON_INTERPRET=1, tests)
+        # the Triton GEMM on CUDA (or on the CPU under TRITON_INTERPRET=1, in tests)
+        self.use_kernel = fp8.can_run(torch.device(device))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [N, K] decoded to `dtype` (computed in fp32)."""
