@@ -33,13 +33,22 @@ _CHANNEL_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size":
 _TOKEN_FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "dynamic": True}
 
 
+# the routers of the mixtures of experts, by their checkpoints' names (Mixtral's is block_sparse_moe.gate)
+_ROUTERS = (
+    ".mlp.gate.weight",
+    ".mlp.router.weight",
+    ".mlp.shared_expert_gate.weight",
+    ".block_sparse_moe.gate.weight",
+)
+
+
 def _quantized(name: str, shape: list[int]) -> bool:
     """A linear of a decoder layer that FP8 rounds (backends/torch/weights.py's decoder_linears, by name)."""
     return (
         len(shape) == 2
         and name.startswith("model.layers.")
         and name.endswith(".weight")
-        and not name.endswith((".mlp.gate.weight", ".mlp.router.weight", ".mlp.shared_expert_gate.weight"))
+        and not name.endswith(_ROUTERS)
         and ".linear_attn." not in name
     )
 
@@ -49,6 +58,8 @@ def channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     so that weight × scale is exactly what a reader computes."""
     amax = w.float().abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)).to(w.dtype)
+    # a row so small that its scale underflows the dtype (fp16 below about 1.3e-5) keeps the smallest normal one
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(w.dtype).tiny))
     q = (w.float() / scale.float()).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -124,8 +124,12 @@ def _wrapped(interpret: bool) -> tuple[Any, dict[str, Any]]:
     return wrap(_nvfp4_gemm), {name: wrap(fn) for name, fn in _HELPERS.items()}
 
 
-def nvfp4_linear(x: torch.Tensor, w: Nvfp4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (fp16, bf16 or fp32) @ W^T (+ bias) -> [M, N] in x's dtype, W read as NVFP4 in the kernel."""
+def nvfp4_linear(
+    x: torch.Tensor, w: Nvfp4Weight, bias: torch.Tensor | None = None, inv_global: float | None = None
+) -> torch.Tensor:
+    """x [M, K] (fp16, bf16 or fp32) @ W^T (+ bias) -> [M, N] in x's dtype, W read as NVFP4 in the kernel.
+    `inv_global`: 1 / w.global_scale, read once by the caller: reading it here from a GPU tensor would stop the
+    host on every call, and a CUDA graph cannot capture that."""
     if x.shape[-1] != w.K or w.K % BLOCK:
         raise ValueError(
             f"x has {x.shape[-1]} columns for the NVFP4 weight's K = {w.K} (a multiple of {BLOCK})"
@@ -140,7 +144,8 @@ def nvfp4_linear(x: torch.Tensor, w: Nvfp4Weight, bias: torch.Tensor | None = No
     grid = (-(-x.shape[0] // block_m), -(-w.N // 64))
     _kernel(interp)[grid](
         x, packed, scales, bias if bias is not None else x, out, x.shape[0], w.N, w.K,
-        1.0 / float(w.global_scale.reshape(-1)[0]), x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
+        inv_global if inv_global is not None else 1.0 / float(w.global_scale.reshape(-1)[0]),
+        x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, F32_DOT=interp and x.dtype != torch.float32,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 or interp else "tf32",
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4,

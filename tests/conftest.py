@@ -65,7 +65,7 @@ def pytest_unconfigure(config):
 # module- or class-scoped fixture made with tmp_path_factory is removed when that fixture is torn down. Session
 # fixtures' folders (the SmolLM2 checkpoints) stay to the end of the run, when pytest removes them all.
 _BASETEMP: list[Path] = []
-_MADE: dict[int, set[Path]] = {}  # id(fixturedef) -> the folders its setup made
+_MADE: dict[int, tuple[set[Path], int]] = {}  # id(fixturedef) -> the folders its setup made, failures by then
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -81,13 +81,16 @@ def pytest_fixture_setup(fixturedef, request):
     try:
         return (yield)
     finally:
-        _MADE[id(fixturedef)] = set(_BASETEMP[0].iterdir()) - before
+        _MADE[id(fixturedef)] = (set(_BASETEMP[0].iterdir()) - before, request.session.testsfailed)
 
 
 def pytest_fixture_post_finalizer(fixturedef, request):
-    """Runs after the fixture's own teardown (a server it started has stopped)."""
-    for d in _MADE.pop(id(fixturedef), ()):
-        shutil.rmtree(d, ignore_errors=True)
+    """Runs after the fixture's own teardown (a server it started has stopped). A test that failed meanwhile keeps
+    the folders (its server's log, its files) for a look, as pytest keeps a failing test's tmp_path."""
+    made, failed = _MADE.pop(id(fixturedef), ((), 0))
+    if request.session.testsfailed == failed:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 # Where every test is slow by nature, for `make test-fast` (paths under tests/): llama.cpp's converter and quantizer

@@ -361,3 +361,31 @@ def test_an_int8_checkpoint_repacks_losslessly_to_gptq(fp8, tmp_path):
         for p in a.linear_prefixes():
             x, y = a.read_linear(p), b.read_linear(p)
             assert torch.equal(x.qweight, y.qweight) and torch.equal(x.scales.half(), y.scales), p
+
+
+def test_fp8_writer_keeps_routers_dense_and_never_makes_nan():
+    """Mixtral's router is `block_sparse_moe.gate` in its checkpoint; an fp16 row below fp16's range of scales (its
+    amax / 448 underflows) keeps the smallest normal scale instead of dividing by zero."""
+    from quantserve.converters.fp8 import _quantized, channel_fp8
+
+    assert not _quantized("model.layers.0.block_sparse_moe.gate.weight", [8, 64])
+    assert not _quantized("model.layers.0.mlp.gate.weight", [8, 64])
+    assert _quantized("model.layers.0.block_sparse_moe.experts.1.w1.weight", [128, 64])
+    src = torch.tensor([[1e-5, 0.0, -3e-6], [0.5, -0.25, 0.0]], dtype=torch.float16)
+    q, scale = channel_fp8(src)
+    w = q.float() * scale.float()
+    assert not w.isnan().any() and scale.dtype == torch.float16
+    assert ((w - src.float()).abs() <= 0.07 * src.float().abs()).all()  # within e4m3's rounding (2^-4)
+
+
+def test_compressed_layouts_we_do_not_read_are_named(fp8, tmp_path):
+    def asymmetric(t, qc):
+        qc["config_groups"]["group_0"]["weights"]["symmetric"] = False
+
+    def act_order(t, qc):
+        qc["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+
+    with pytest.raises(UnsupportedFormatError, match="asymmetric compressed-tensors FP8"):
+        detect(_damaged(fp8["FP8_DYNAMIC"], tmp_path / "a", asymmetric))
+    with pytest.raises(UnsupportedFormatError, match="int-quantized with actorder 'group'"):
+        detect(_damaged(fp8["W8A8"], tmp_path / "b", act_order))

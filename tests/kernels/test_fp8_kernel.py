@@ -172,3 +172,14 @@ def test_nvfp4_gemm_compiles_without_register_spills(arch, monkeypatch):
         0,
         None,
     )
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_decodes_every_e4m3_byte_exactly(monkeypatch):
+    """The byte arithmetic (tl.exp2 of whole numbers among it) on the GPU's own units: exact, as torch reads them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    codes = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)] + [0, 0], dtype=torch.uint8)
+    w = Fp8Weight(codes.view(torch.float8_e4m3fn)[None].cuda(), torch.ones(1, 1).cuda(), (1, 256))
+    got = fp8.fp8_linear(torch.eye(256, device="cuda"), w)
+    assert torch.equal(got[:, 0].cpu(), codes.view(torch.float8_e4m3fn).float())

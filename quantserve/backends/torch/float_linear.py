@@ -87,6 +87,7 @@ class Nvfp4Linear(nn.Module):
         self.register_buffer("packed", w.packed.to(device), persistent=False)
         self.register_buffer("scales", w.scales.to(device), persistent=False)
         self.register_buffer("global_scale", w.global_scale.to(device, torch.float32), persistent=False)
+        self.inv_global = 1.0 / float(w.global_scale.reshape(-1)[0])  # read once, on the host (CUDA graphs)
         self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
         self.use_kernel = mxfp4.can_run(torch.device(device))  # the same rule: CUDA, or the interpreter
 
@@ -94,7 +95,7 @@ class Nvfp4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         w = Nvfp4Weight(self.packed, self.scales, self.global_scale)
         out = (
-            nvfp4.nvfp4_linear(flat, w, self.bias)
+            nvfp4.nvfp4_linear(flat, w, self.bias, self.inv_global)
             if self.use_kernel
             else nvfp4.nvfp4_linear_ref(flat, w, self.bias)
         )

@@ -169,6 +169,11 @@ class CompressedFP8(FP8):
                 f"{where}: compressed-tensors float-quantized weights of {w.get('num_bits')} bits "
                 f"({w.get('type')}) are not supported (FP8 is 8-bit float)"
             )
+        if not w.get("symmetric", True):
+            raise UnsupportedFormatError(
+                f"{where}: asymmetric compressed-tensors FP8 (a weight_zero_point) is not supported; FP8 weights are "
+                "symmetric in every llm-compressor preset"
+            )
         strategy = str(w.get("strategy") or "tensor")
         if strategy not in ("tensor", "channel", "block"):
             raise UnsupportedFormatError(

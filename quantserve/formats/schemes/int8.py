@@ -49,7 +49,16 @@ class CompressedInt8(QuantScheme):
                 f"{where}: compressed-tensors INT8 weight strategy '{strategy}' is not supported (channel, tensor or "
                 "group)"
             )
+        if w.get("actorder"):
+            raise UnsupportedFormatError(
+                f"{where}: compressed-tensors int-quantized with actorder {w['actorder']!r} (a weight_g_idx) is not "
+                "supported; re-export without act-order, or as pack-quantized (W8A16)"
+            )
         group = int(w.get("group_size") or -1) if strategy == "group" else -1
+        if strategy == "group" and group <= 0:
+            raise ModelFileError(
+                f"{where}: compressed-tensors INT8 strategy 'group' needs a positive group_size"
+            )
         act = entries[0].get("input_activations")
         if isinstance(act, dict):
             per = str(act.get("strategy") or "tensor")
