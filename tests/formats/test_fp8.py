@@ -389,3 +389,13 @@ def test_compressed_layouts_we_do_not_read_are_named(fp8, tmp_path):
         detect(_damaged(fp8["FP8_DYNAMIC"], tmp_path / "a", asymmetric))
     with pytest.raises(UnsupportedFormatError, match="int-quantized with actorder 'group'"):
         detect(_damaged(fp8["W8A8"], tmp_path / "b", act_order))
+
+
+@pytest.mark.parametrize("preset", ["MXFP4A16", "NVFP4A16", "W8A8"])
+def test_each_compressed_scheme_parses_its_own_config_as_compressed_tensors_hands_it_over(preset, fp8):
+    """A scheme reached through CompressedTensors.parse parses the same config on its own to the same result."""
+    from quantserve.formats.hf_config import find_quant_config
+
+    spec = detect(fp8[preset])
+    qc, where = find_quant_config(spec.config, spec.directory, {})
+    assert type(spec.scheme).parse(qc, where) == spec.scheme

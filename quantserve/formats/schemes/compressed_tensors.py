@@ -51,6 +51,18 @@ def _group(g: dict[str, Any], where: str) -> _Group:
     )
 
 
+def config_entries(qc: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The config_groups entries that carry `weights` arguments (every scheme of this format reads them)."""
+    raw = qc.get("config_groups")
+    entries = [g for g in raw.values() if isinstance(g, dict)] if isinstance(raw, dict) else []
+    entries = [g for g in entries if isinstance(g.get("weights"), dict)]
+    if not entries:
+        raise ModelFileError(
+            f"{where}: compressed-tensors config has no config_groups with 'weights' arguments"
+        )
+    return entries
+
+
 @dataclass(frozen=True)
 class CompressedTensors(QuantScheme):
     name = "compressed-tensors"
@@ -68,13 +80,7 @@ class CompressedTensors(QuantScheme):
 
     @classmethod
     def parse(cls, qc: dict[str, Any], where: str) -> QuantScheme:
-        raw = qc.get("config_groups")
-        entries = [g for g in raw.values() if isinstance(g, dict)] if isinstance(raw, dict) else []
-        entries = [g for g in entries if isinstance(g.get("weights"), dict)]
-        if not entries:
-            raise ModelFileError(
-                f"{where}: compressed-tensors config has no config_groups with 'weights' arguments"
-            )
+        entries = config_entries(qc, where)
         first = entries[0]
         w = first["weights"]
         fmt = str(first.get("format") or qc.get("format") or "")

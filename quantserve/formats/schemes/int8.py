@@ -28,7 +28,9 @@ class CompressedInt8(QuantScheme):
 
     @classmethod
     def parse(cls, qc: dict[str, Any], where: str) -> QuantScheme:
-        raise NotImplementedError("reached through CompressedTensors.parse")  # pragma: no cover
+        from quantserve.formats.schemes.compressed_tensors import config_entries
+
+        return cls.from_groups(config_entries(qc, where), where)
 
     @classmethod
     def from_groups(cls, entries: list[dict[str, Any]], where: str) -> CompressedInt8:

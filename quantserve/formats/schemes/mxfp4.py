@@ -31,7 +31,9 @@ class CompressedMXFP4(QuantScheme):
 
     @classmethod
     def parse(cls, qc: dict[str, Any], where: str) -> QuantScheme:
-        raise NotImplementedError("reached through CompressedTensors.parse")  # pragma: no cover
+        from quantserve.formats.schemes.compressed_tensors import config_entries
+
+        return cls.from_groups(config_entries(qc, where), where)
 
     @classmethod
     def from_groups(cls, entries: list[dict[str, Any]], where: str) -> CompressedMXFP4:
@@ -119,7 +121,9 @@ class CompressedNVFP4(QuantScheme):
 
     @classmethod
     def parse(cls, qc: dict[str, Any], where: str) -> QuantScheme:
-        raise NotImplementedError("reached through CompressedTensors.parse")  # pragma: no cover
+        from quantserve.formats.schemes.compressed_tensors import config_entries
+
+        return cls.from_groups(config_entries(qc, where), where)
 
     @classmethod
     def from_groups(cls, entries: list[dict[str, Any]], where: str) -> CompressedNVFP4:
